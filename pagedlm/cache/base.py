@@ -1,0 +1,51 @@
+"""The Cache protocol every per-layer KV cache satisfies.
+
+Attention asks a cache two questions and nothing else:
+
+    mask = cache.make_mask(n_new)          # before the update
+    k, v = cache.update_and_fetch(k, v)    # [B, H, L, D] in, [B, H, S, D] out
+
+RoPE for the new tokens is applied at ``cache.offset`` (read before the
+update). A new storage scheme is a new class with these members; code that
+can only handle some classes gates on ``isinstance`` and refuses the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Cache(Protocol):
+    offset: int
+    """Tokens stored so far (the position of the next token)."""
+
+    def update_and_fetch(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[B, H, L, D]`` keys/values; return every key/value that the
+        new queries attend to, contiguous, as ``[B, H, S, D]``."""
+        ...
+
+    def make_mask(self, n_queries: int) -> torch.Tensor | None:
+        """Mask for the next ``n_queries`` positions, called before the update.
+
+        Returns ``None`` when every fetched key is visible to every query,
+        else a bool tensor ``[n_queries, S]`` (True = may attend) matching the
+        keys that ``update_and_fetch`` will return."""
+        ...
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (at most ``offset``); return how many went."""
+        ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def dispose(self) -> None:
+        """Release storage. The cache must not be used afterwards."""
+        ...
