@@ -1,0 +1,148 @@
+"""`pagedlm bench decode`: batch-1 prefill and decode speed, medians of repeats.
+
+Every configuration of one invocation runs in the same process on the same
+weights, interleaved repeat by repeat, so that the ratios between them hold
+even on a noisy machine: the default cache always; the paged cache with
+``--paged-kv``; Hugging Face transformers' ``generate`` with ``--against hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import options as opt
+
+FILLER = (
+    "The history of the printing press begins in the fifteenth century, when movable type "
+    "changed how books were made, sold and read across Europe and far beyond. "
+)
+
+
+@dataclass
+class Timing:
+    prefill_tok_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+
+    def add(self, prefill: float, decode: float) -> None:
+        self.prefill_tok_s.append(prefill)
+        self.decode_tok_s.append(decode)
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(FILLER * (n // 8 + 8))
+    return ids[:n]
+
+
+def _ours(model, tokenizer, paged: opt.PagedKvOptions | None, gen_len: int) -> Callable:
+    from ..generate import stream_generate
+
+    options = opt.GenerateOptions(max_tokens=gen_len, ignore_eos=True, paged_kv=paged)
+
+    def run(ids: list[int]) -> tuple[float, float]:
+        last = None
+        for last in stream_generate(model, tokenizer, ids, options):
+            pass
+        return last.prompt_tps, last.generation_tps
+
+    return run
+
+
+def _hf(folder, device: str, dtype: torch.dtype, gen_len: int) -> Callable:
+    """transformers' generate on the same weights: prefill = time to one new
+    token; decode = the remaining tokens over the remaining time."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+    def timed(ids: torch.Tensor, n: int) -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t0
+
+    def run(ids: list[int]) -> tuple[float, float]:
+        x = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            t1 = timed(x, 1)
+            tn = timed(x, gen_len)
+        return len(ids) / t1, (gen_len - 1) / max(tn - t1, 1e-9)
+
+    return run
+
+
+def run_decode_bench(args, paged: opt.PagedKvOptions | None) -> int:
+    from ..loading import load, resolve
+
+    device = opt.resolve_device(args.device)
+    dtype = opt.resolve_dtype(args.dtype, device)
+    spec = args.model or opt.DEFAULT_MODEL
+    if args.gen_len < 2:
+        raise opt.OptionError("--gen-len must be >= 2")
+    for n in args.prompt_len:
+        opt.positive_int(n, "--prompt-len")
+    model, tokenizer = load(spec, device, dtype)
+    runners: dict[str, Callable] = {"default": _ours(model, tokenizer, None, args.gen_len)}
+    if paged is not None:
+        runners["paged"] = _ours(model, tokenizer, paged, args.gen_len)
+    if args.against == "hf":
+        runners["hf"] = _hf(resolve(spec), device, dtype, args.gen_len)
+
+    for n in args.prompt_len:
+        ids = prompt_ids(tokenizer, n)
+        if len(ids) < n:
+            raise opt.OptionError(f"could not build a {n}-token prompt")
+        for run in runners.values():  # warm-up: allocator, caches, kernels
+            run(ids[: min(n, 32)])
+        timings = {name: Timing() for name in runners}
+        for _ in range(args.repeats):
+            for name, run in runners.items():
+                timings[name].add(*run(ids))
+        _report(args, spec, device, dtype, n, paged, timings)
+    return 0
+
+
+def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing]) -> None:
+    med = {k: (statistics.median(t.prefill_tok_s), statistics.median(t.decode_tok_s))
+           for k, t in timings.items()}
+    base = {
+        "model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "prompt_len": n, "gen_len": args.gen_len, "repeats": args.repeats,
+        "threads": torch.get_num_threads(), "machine": platform.machine(),
+    }
+    rows = []
+    for name in ("default", "paged"):
+        if name not in med:
+            continue
+        row = {"name": f"pagedlm-{name}", **base,
+               "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
+               "paged_kv": name == "paged",
+               "block_size": paged.block_size if name == "paged" else None}
+        if name == "paged":
+            row["decode_ratio_vs_default"] = round(med["paged"][1] / med["default"][1], 3)
+            row["prefill_ratio_vs_default"] = round(med["paged"][0] / med["default"][0], 3)
+        if "hf" in med:
+            row["hf_prefill_tok_s"] = round(med["hf"][0], 2)
+            row["hf_decode_tok_s"] = round(med["hf"][1], 2)
+            row["decode_ratio_vs_hf"] = round(med[name][1] / med["hf"][1], 3)
+        rows.append(row)
+    for row in rows:
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            extra = "".join(
+                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "hf_decode_tok_s",
+                                            "decode_ratio_vs_hf") if k in row)
+            print(f"{row['name']:16s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
+                  f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)

@@ -1,0 +1,68 @@
+import pytest
+
+from pagedlm import options as opt
+from pagedlm.cli import main
+
+
+def test_paged_kv_is_off_by_default():
+    assert opt.resolve_paged_kv(None, None, environ={}) is None
+
+
+def test_env_turns_paged_kv_on_and_flag_overrides_env():
+    assert opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "1"}) == opt.PagedKvOptions(256)
+    assert opt.resolve_paged_kv(False, None, {"PAGEDLM_PAGED_KV": "1"}) is None
+    assert opt.resolve_paged_kv(True, "16", {"PAGEDLM_PAGED_KV": "0"}) == opt.PagedKvOptions(16)
+    assert opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "0"}) is None
+
+
+@pytest.mark.parametrize("bad", ["0", "-4", "abc", "1.5", ""])
+def test_bad_block_size_is_an_option_error(bad):
+    with pytest.raises(opt.OptionError, match="--paged-kv-block-size must be a positive integer"):
+        opt.resolve_paged_kv(True, bad, {})
+
+
+def test_bad_env_value_is_an_option_error():
+    with pytest.raises(opt.OptionError, match="PAGEDLM_PAGED_KV must be 1 or 0"):
+        opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "maybe"})
+
+
+def test_block_size_without_paging_is_refused():
+    with pytest.raises(opt.UnsupportedOption, match="needs --paged-kv"):
+        opt.resolve_paged_kv(None, "16", {})
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+     ("min_p", 2.0), ("repetition_penalty", 0.0), ("logprobs", 21)],
+)
+def test_generate_options_validate_names_the_bad_field(field, value):
+    options = opt.GenerateOptions(**{field: value})
+    with pytest.raises(opt.OptionError, match=field):
+        options.validate()
+
+
+def test_server_options_flag_beats_env_beats_default():
+    env = {"PAGEDLM_PORT": "9001", "PAGEDLM_MAX_QUEUE": "3"}
+    resolved = opt.ServerOptions.resolve({"port": "9002"}, env)
+    assert resolved.port == 9002 and resolved.max_queue == 3 and resolved.host == "127.0.0.1"
+    with pytest.raises(opt.OptionError, match="--port"):
+        opt.ServerOptions.resolve({"port": "70000"}, {})
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--paged-kv", "--paged-kv-block-size", "0", "hi"], "positive integer"),
+        (["generate", "--paged-kv-block-size", "16", "hi"], "needs --paged-kv"),
+        (["generate", "--max-tokens", "0", "hi"], "max_tokens must be >= 1"),
+        (["generate", "--temp", "abc", "hi"], "invalid float value"),
+        (["generate", "--model", "/no/such/model", "hi"], "/no/such/model"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
