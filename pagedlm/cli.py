@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
     d.add_argument("--against", choices=["hf"], default=None,
                    help="also time transformers' generate on the same weights, interleaved")
+    d.add_argument("--random-weights", action="store_true",
+                   help="--model is a folder with a config.json: random weights of that shape")
     d.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
     sub.add_parser("models", help="list built-in models")

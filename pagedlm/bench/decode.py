@@ -41,6 +41,50 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+class _SyntheticTokenizer:
+    """For random weights: fixed pseudo-random prompt ids, no end-of-sequence,
+    no text. Speed does not depend on what the tokens say."""
+
+    eos_token_ids: set[int] = set()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, self.vocab_size, (len(text),), generator=g).tolist()
+
+    def detokenizer(self):
+        return self
+
+    def add_token(self, token: int) -> str:
+        return ""
+
+    def finalize(self) -> str:
+        return ""
+
+
+def load_random(folder: str, device: str, dtype: torch.dtype):
+    """A model with random weights (normal, std 0.02) from a folder's config.json."""
+    import json
+    from pathlib import Path
+
+    from ..models import build_model
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise opt.OptionError(f"--random-weights needs a folder with a config.json (got {folder!r})")
+    config = json.loads(path.read_text())
+    with torch.device(device):
+        model = build_model(config).to(dtype).eval()
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+    return model, _SyntheticTokenizer(config["vocab_size"])
+
+
 def _ours(model, tokenizer, paged: opt.PagedKvOptions | None, gen_len: int) -> Callable:
     from ..generate import stream_generate
 
@@ -92,7 +136,12 @@ def run_decode_bench(args, paged: opt.PagedKvOptions | None) -> int:
         raise opt.OptionError("--gen-len must be >= 2")
     for n in args.prompt_len:
         opt.positive_int(n, "--prompt-len")
-    model, tokenizer = load(spec, device, dtype)
+    if args.random_weights:
+        if args.against == "hf":
+            raise opt.OptionError("--against hf needs real weights, not --random-weights")
+        model, tokenizer = load_random(spec, device, dtype)
+    else:
+        model, tokenizer = load(spec, device, dtype)
     runners: dict[str, Callable] = {"default": _ours(model, tokenizer, None, args.gen_len)}
     if paged is not None:
         runners["paged"] = _ours(model, tokenizer, paged, args.gen_len)
