@@ -1,0 +1,202 @@
+"""Gemma 3 text model (model_type ``gemma3_text``).
+
+What sets it apart from the Llama family:
+  - interleaved layers: most slide over a window of ``sliding_window`` keys
+    (``RotatingKVCache``), every few are global (``KVCache``); the pattern comes
+    from ``layer_types`` or, in older configs, ``sliding_window_pattern``;
+  - two RoPE bases: ``rope_theta`` (1e6, plus ``rope_scaling`` if any) on global
+    layers, ``rope_local_base_freq`` (1e4, unscaled) on sliding ones;
+  - four RMSNorms per block and per-head RMSNorm on q and k, all of the
+    ``(1 + w)``, float32 kind;
+  - embeddings scaled by sqrt(hidden_size) rounded to the model dtype;
+  - attention scale ``query_pre_attn_scalar ** -0.5``; GELU-tanh MLP; tied
+    embeddings; optional final logit soft-capping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pagedlm.attention import attention
+from pagedlm.cache import Cache, KVCache, RotatingKVCache
+from pagedlm.models.layers import GatedMLP, RMSNorm, RoPE
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    model_type: str = "gemma3_text"
+    # Defaults below are transformers' Gemma3TextConfig defaults.
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256
+    sliding_window: int = 4096
+    sliding_window_pattern: int = 6
+    layer_types: list[str] | None = None
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None  # global layers only
+    rope_local_base_freq: float = 10_000.0
+    rope_local_scaling: dict | None = None  # only via transformers 5's rope_parameters
+    hidden_activation: str = "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None
+    # transformers' Gemma 3 never applies it (it is not passed to attention),
+    # and released checkpoints set it to null; read, and ignored likewise.
+    attn_logit_softcapping: float | None = None
+    attention_bias: bool = False
+    use_bidirectional_attention: bool = False
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        """Build from a config.json dict; unknown keys are ignored.
+
+        Accepts the classic ``rope_theta`` / ``rope_local_base_freq`` /
+        ``rope_scaling`` keys and transformers 5's ``rope_parameters``
+        (one dict per layer type).
+        """
+        names = {f.name for f in fields(cls)}
+        args = cls(**{k: v for k, v in config.items() if k in names})
+        rope = config.get("rope_parameters") or {}
+        if rope.get(FULL):
+            args.rope_theta = float(rope[FULL].get("rope_theta", args.rope_theta))
+            args.rope_scaling = rope[FULL]
+        if rope.get(SLIDING):
+            args.rope_local_base_freq = float(rope[SLIDING].get("rope_theta", args.rope_local_base_freq))
+            args.rope_local_scaling = rope[SLIDING]
+        return args
+
+    def __post_init__(self) -> None:
+        if self.use_bidirectional_attention:
+            raise NotImplementedError("Gemma 3 with use_bidirectional_attention is not supported")
+        if self.layer_types is None:
+            # Older configs: every sliding_window_pattern-th layer is global.
+            p = self.sliding_window_pattern
+            self.layer_types = [FULL if (i + 1) % p == 0 else SLIDING for i in range(self.num_hidden_layers)]
+        self.rope_theta = float(self.rope_theta)
+        self.rope_local_base_freq = float(self.rope_local_base_freq)
+
+
+@lru_cache
+def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) rounded as transformers rounds it: to float32, then to
+    the model dtype (bfloat16 turns sqrt(640) = 25.298 into 25.25)."""
+    return torch.tensor(hidden_size**0.5).to(dtype).item()
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = D = args.head_dim
+        self.scale = args.query_pre_attn_scalar**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        offset = cache.offset
+        q = self.rope(self.q_norm(q), offset)
+        k = self.rope(self.k_norm(k), offset)
+        mask = cache.make_mask(L)
+        if mask is not None:
+            mask = mask.to(x.device)  # before its first update a cache builds masks on the CPU
+        k, v = cache.update_and_fetch(k, v)
+        out = attention(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        dim, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, rope)
+        self.mlp = GatedMLP(dim, args.intermediate_size, args.hidden_activation)
+        self.input_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        ropes = {
+            SLIDING: RoPE(args.head_dim, args.rope_local_base_freq, args.rope_local_scaling),
+            FULL: RoPE(args.head_dim, args.rope_theta, args.rope_scaling),
+        }
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args, ropes[t]) for t in args.layer_types)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
+
+    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        h = h * _embed_scale(self.args.hidden_size, h.dtype)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h = layer(h, layer_cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Gemma3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
+        """Logits ``[B, L, V]``, or ``[B, 1, V]`` for the last position only
+        (a prefill needs no more, and skips a 262k-wide matmul per token)."""
+        h = self.model(input_ids, cache, last_only)
+        if self.args.tie_word_embeddings:
+            logits = F.linear(h, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(h)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def sanitize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Drop what the module does not own: a tied lm_head, old RoPE buffers."""
+        return {
+            k: v
+            for k, v in weights.items()
+            if not (self.args.tie_word_embeddings and k == "lm_head.weight")
+            and "rotary_emb" not in k
+        }
+
+    def make_cache(self) -> list[Cache]:
+        return [
+            RotatingKVCache(self.args.sliding_window) if t == SLIDING else KVCache()
+            for t in self.args.layer_types
+        ]

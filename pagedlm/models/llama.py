@@ -1,0 +1,195 @@
+"""Llama family: Llama (2, 3, 3.1), SmolLM2, Mistral, Qwen2, Qwen3.
+
+One pre-norm decoder. The members differ in four switches, read from the
+checkpoint's config.json:
+  - Qwen2: bias on q/k/v (not on o);
+  - Qwen3: per-head RMSNorm on q and k, head_dim given explicitly;
+  - Mistral (and Qwen with ``use_sliding_window``): sliding-window layers,
+    which get a ``RotatingKVCache`` instead of a ``KVCache``;
+  - Llama 3.1: "llama3" RoPE scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pagedlm.attention import attention
+from pagedlm.cache import Cache, KVCache, RotatingKVCache
+from pagedlm.models.layers import GatedMLP, RMSNorm, RoPE
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        """Build from a config.json dict; unknown keys are ignored.
+
+        Accepts both RoPE spellings: the classic ``rope_theta`` + ``rope_scaling``
+        and transformers 5's ``rope_parameters`` (theta and scaling in one dict).
+        """
+        names = {f.name for f in fields(cls)}
+        args = cls(**{k: v for k, v in config.items() if k in names})
+        rope = config.get("rope_parameters")
+        if rope:
+            args.rope_theta = rope.get("rope_theta", args.rope_theta)
+            args.rope_scaling = rope
+        return args
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"llama.py does not handle model_type {self.model_type!r}")
+        self.rope_theta = float(self.rope_theta)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            # Qwen3's config class defaults head_dim to 128, not hidden / heads.
+            default = 128 if self.model_type == "qwen3" else None
+            self.head_dim = default or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.model_type != "qwen2"
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window size of ``layer``, or None for full attention.
+
+        Mistral slides on every layer when ``sliding_window`` is set; Qwen only
+        when ``use_sliding_window``, on ``layer_types`` or else on layers from
+        ``max_window_layers`` up; Llama never (transformers ignores the key).
+        """
+        if self.sliding_window is None or self.model_type == "llama":
+            return None
+        if self.model_type == "mistral":
+            return self.sliding_window
+        if not self.use_sliding_window:
+            return None
+        if self.layer_types is not None:
+            sliding = self.layer_types[layer] == "sliding_attention"
+        else:
+            sliding = layer >= (self.max_window_layers or 0)
+        return self.sliding_window if sliding else None
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = D = args.head_dim
+        self.scale = D**-0.5
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=args.o_bias)
+        self.qk_norm = args.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(D, args.rms_norm_eps)
+            self.k_norm = RMSNorm(D, args.rms_norm_eps)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        offset = cache.offset
+        q = self.rope(q.transpose(1, 2), offset)
+        k = self.rope(k.transpose(1, 2), offset)
+        mask = cache.make_mask(L)
+        if mask is not None:
+            mask = mask.to(x.device)  # before its first update a cache builds masks on the CPU
+        k, v = cache.update_and_fetch(k, v)
+        out = attention(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, rope: RoPE):
+        super().__init__()
+        self.self_attn = Attention(args, rope)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args, rope) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h = layer(h, layer_cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
+        """Logits ``[B, L, V]``, or ``[B, 1, V]`` for the last position only
+        (a prefill needs no more, and skips the vocabulary matmul per token)."""
+        h = self.model(input_ids, cache, last_only)
+        if self.args.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Drop what the module does not own: a tied lm_head, old RoPE buffers."""
+        return {
+            k: v
+            for k, v in weights.items()
+            if not (self.args.tie_word_embeddings and k == "lm_head.weight")
+            and "rotary_emb.inv_freq" not in k
+        }
+
+    def make_cache(self) -> list[Cache]:
+        windows = (self.args.window(i) for i in range(self.args.num_hidden_layers))
+        return [KVCache() if w is None else RotatingKVCache(w) for w in windows]
