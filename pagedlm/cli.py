@@ -125,6 +125,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     _print_stats(last)
     return 0
 
@@ -176,6 +177,7 @@ def cmd_chat(args) -> int:
             reply.append(last.text)
             tokens.append(last.token)
         sys.stdout.write("\n")
+        sys.stdout.flush()
         _print_stats(last)
         messages.append({"role": "assistant", "content": "".join(reply)})
         if not paged:
