@@ -1,0 +1,244 @@
+"""Tokenizer: encode/decode, chat templates (jinja2), incremental detokenizing.
+
+Wraps a `tokenizers.Tokenizer` (tokenizer.json) with the rules that live
+beside it in an HF folder: whether to add BOS (tokenizer_config.json's
+``add_bos_token``, else whatever tokenizer.json's post-processor does), which
+ids end generation, and the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+# Gemma's turn format, for files that carry no template (the Gemma 3 GGUF):
+# the system message is folded into the first user turn.
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}"""
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or AddedToken dicts."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool | None = None,
+        chat_template: str | None = None,
+        eos_token_ids: set[int] | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ):
+        self._tk = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        # Does tokenizer.json's post-processor already add BOS? (transformers'
+        # save_pretrained writes one that does; our GGUF conversion does not.)
+        with_special = tokenizer.encode("a", add_special_tokens=True).ids
+        self._post_adds_bos = (
+            self.bos_token_id is not None
+            and with_special[:1] == [self.bos_token_id]
+            and tokenizer.encode("a", add_special_tokens=False).ids[:1] != [self.bos_token_id]
+        )
+        self.add_bos_token = self._post_adds_bos if add_bos_token is None else bool(add_bos_token)
+        eos = set(eos_token_ids or ())
+        if eos_token and (i := tokenizer.token_to_id(eos_token)) is not None:
+            eos.add(i)
+        if chat_template is None and tokenizer.token_to_id("<start_of_turn>") is not None:
+            chat_template = GEMMA_CHAT_TEMPLATE
+        if tokenizer.token_to_id("<start_of_turn>") is not None:
+            end_of_turn = tokenizer.token_to_id("<end_of_turn>")
+            if end_of_turn is not None:  # Gemma: a chat reply ends with <end_of_turn>
+                eos.add(end_of_turn)
+        self.eos_token_ids: set[int] = eos
+        self.chat_template = chat_template
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "Tokenizer":
+        """tokenizer.json + tokenizer_config.json (+ generation_config/config eos ids)."""
+        folder = Path(path)
+        tk = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tc = _read_json(folder / "tokenizer_config.json")
+        config = _read_json(folder / "config.json")
+        gen = _read_json(folder / "generation_config.json")
+        names = {k: _token_str(tc.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        for key in ("bos", "eos"):
+            if names[f"{key}_token"] is None and (ids := _ids(config.get(f"{key}_token_id"))):
+                names[f"{key}_token"] = tk.id_to_token(ids[0])
+        template = tc.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if template is None:
+            template = _read_json(folder / "chat_template.json").get("chat_template")
+        return cls(
+            tk,
+            bos_token=names["bos_token"],
+            eos_token=names["eos_token"],
+            add_bos_token=tc.get("add_bos_token"),
+            chat_template=template,
+            eos_token_ids=set(_ids(gen.get("eos_token_id")) + _ids(config.get("eos_token_id"))),
+            special_tokens=names,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; with ``add_special_tokens``, BOS per the model's rule, never doubled."""
+        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if not add_special_tokens or bos is None:
+            return ids
+        if self._post_adds_bos and (not self.add_bos_token or ids[1:2] == [bos]):
+            return ids[1:]  # the config says no BOS, or the text began with one already
+        if self.add_bos_token and not self._post_adds_bos and ids[:1] != [bos]:
+            return [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render the chat template (text; its BOS, if any, is part of the text)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use plain text prompts")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(
+                messages=[_text_message(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **kwargs,
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template: {e}") from None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Chat prompt ids. Like transformers, adds no special tokens beyond the template's."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    @cached_property
+    def _template(self):
+        return _jinja_env().from_string(self.chat_template)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _text_message(message: dict) -> dict:
+    """OpenAI-style content parts -> one string (the engine is text-only)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return {**message, "content": text}
+    return message
+
+
+def _jinja_env():
+    """A sandboxed environment configured like transformers' chat-template renderer."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class IncrementalDetokenizer:
+    """Streams text token by token, emitting only complete UTF-8 characters.
+
+    Decodes a window ``ids[prefix:]`` and emits what it adds beyond
+    ``ids[prefix:read]``; while the window's text ends in U+FFFD (a character
+    whose bytes have not all arrived, e.g. byte-fallback <0xE2>) nothing is
+    emitted. The window restarts after each emission, so a step costs
+    O(tokens since the last emission), not O(sequence). Starting the window
+    at the previous emission (not at ``read``) gives decoders that strip or
+    merge at a boundary the same context in both decodes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def add_token(self, token_id: int) -> str:
+        """The newly completed text (possibly "")."""
+        self.ids.append(int(token_id))
+        return self._advance(final=False)
+
+    def finalize(self) -> str:
+        """Whatever is still held back (incomplete bytes decode as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(before) :]
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far, held-back bytes included."""
+        return self._decode(self.ids)
