@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 CONVERTER_VERSION = 1  # bump when conversion output changes, so stale caches are redone
-DEFAULT_MODEL = "gemma3-270m"
+from pagedlm.options import DEFAULT_MODEL
 
 
 class ModelNotFound(Exception):
