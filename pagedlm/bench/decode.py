@@ -65,7 +65,9 @@ class _SyntheticTokenizer:
 
 
 def load_random(folder: str, device: str, dtype: torch.dtype):
-    """A model with random weights (normal, std 0.02) from a folder's config.json."""
+    """A model with random weights from a folder's config.json: matrices
+    normal(0, 0.02), vectors (norm weights, biases) normal(0, 1) so that a
+    greedy trajectory wanders instead of repeating one token."""
     import json
     from pathlib import Path
 
@@ -80,8 +82,7 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
     g = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=g)
+            p.normal_(0.0, 0.02 if p.dim() >= 2 else 1.0, generator=g)
     return model, _SyntheticTokenizer(config["vocab_size"])
 
 

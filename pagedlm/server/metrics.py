@@ -1,0 +1,118 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+Counters and histograms are updated where things happen (the lane thread
+observes token latencies; the request path counts outcomes). Gauges that
+describe state (queue depth, KV bytes, paged blocks, prompt-cache counters)
+are read at scrape time from the objects that own that state, so there is
+no second copy to keep in step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .lane import SerialLane
+
+ENDPOINTS = ("completions", "chat")
+OUTCOMES = ("ok", "cancelled", "invalid", "unauthorized", "rejected", "error")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "ok"
+    if status == 401:
+        return "unauthorized"
+    if status == 503:
+        return "rejected"
+    return "invalid" if status < 500 else "error"
+
+
+def _safe(read: Callable[[], float]) -> float:
+    # State is read from the event loop while the lane thread changes it; a
+    # cache disposed mid-read counts as empty rather than failing the scrape.
+    try:
+        return float(read())
+    except Exception:
+        return 0.0
+
+
+class _StateCollector(Collector):
+    """Values owned by the engine, read at scrape time."""
+
+    def __init__(self, engine: "Engine", lane: "SerialLane") -> None:
+        self.engine, self.lane = engine, lane
+
+    def collect(self) -> Iterable:
+        engine, pc = self.engine, self.engine.prompt_cache
+        yield GaugeMetricFamily("pagedlm_queue_depth", "Requests waiting behind the running one",
+                                value=self.lane.depth)
+        yield GaugeMetricFamily("pagedlm_running", "Generations running (0 or 1)",
+                                value=int(self.lane.busy))
+        live = _safe(lambda: sum(c.nbytes for c in engine.live or ()))
+        kv = GaugeMetricFamily("pagedlm_kv_bytes", "Bytes of KV cache in use", labels=["holder"])
+        kv.add_metric(["running"], live)
+        kv.add_metric(["prompt_cache"], pc.nbytes)
+        yield kv
+        yield GaugeMetricFamily("pagedlm_prompt_cache_entries", "Entries in the prompt cache",
+                                value=len(pc))
+        yield CounterMetricFamily("pagedlm_prompt_cache_hits", "Prompt-cache lookups that reused a prefix",
+                                  value=pc.hits)
+        yield CounterMetricFamily("pagedlm_prompt_cache_misses", "Prompt-cache lookups that found nothing to reuse",
+                                  value=pc.misses)
+        if engine.paged_kv is not None:
+            used, free = _paged_blocks(engine.live or ())
+            yield GaugeMetricFamily("pagedlm_paged_kv_blocks_in_use", "KV blocks held by the running request",
+                                    value=used)
+            yield GaugeMetricFamily("pagedlm_paged_kv_blocks_free", "Free KV blocks in the running request's pools",
+                                    value=free)
+
+
+def _paged_blocks(cache) -> tuple[float, float]:
+    used = free = 0.0
+    for layer_cache in list(cache):
+        table, pool = getattr(layer_cache, "block_table", None), getattr(layer_cache, "pool", None)
+        if table is not None and pool is not None:
+            used += _safe(lambda: len(table))
+            free += _safe(lambda: pool.num_free)
+    return used, free
+
+
+class Metrics:
+    """Every metric the server exports, in its own registry (not the global one)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pagedlm_requests", "Generation requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        for endpoint in ENDPOINTS:  # every series exists from the start, at 0
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)
+        self.prompt_tokens = Counter("pagedlm_prompt_tokens", "Prompt tokens processed (reused or not)",
+                                     registry=r)
+        self.generation_tokens = Counter("pagedlm_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("pagedlm_time_to_first_token_seconds",
+                              "From request arrival (queueing included) to its first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pagedlm_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def bind(self, engine: "Engine", lane: "SerialLane") -> None:
+        """Export the state gauges of ``engine`` and ``lane``."""
+        self.registry.register(_StateCollector(engine, lane))
+
+    def record(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
