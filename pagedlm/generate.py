@@ -133,18 +133,21 @@ def stream_generate(
         raise ValueError(f"the cache holds {reused} tokens; the prompt has {len(ids)}")
     if options.prompt_logprobs is not None and reused:
         raise ValueError("prompt logprobs need a cache that holds nothing yet")
+    t_start = time.perf_counter()  # pool allocation counts as prefill, as KVCache growth does
     paged = reused == 0 and maybe_page_kv(
         cache, options.paged_kv, len(ids) + options.max_tokens, model
     )
     try:
-        yield from _generate_loop(model, tokenizer, ids, reused, options, cache, device, paged)
+        yield from _generate_loop(
+            model, tokenizer, ids, reused, options, cache, device, paged, t_start
+        )
     finally:
         if own_cache or paged:
             for layer_cache in cache:
                 layer_cache.dispose()
 
 
-def _generate_loop(model, tokenizer, ids, reused, options, cache, device, paged):
+def _generate_loop(model, tokenizer, ids, reused, options, cache, device, paged, t0):
     sampler = Sampler(options, device)
     stop_ids = set(options.stop_token_ids)
     if not options.ignore_eos:
@@ -170,7 +173,6 @@ def _generate_loop(model, tokenizer, ids, reused, options, cache, device, paged)
         )
 
     with torch.inference_mode():
-        t0 = time.perf_counter()
         prompt = torch.tensor(ids[reused:], dtype=torch.long, device=device)
         logits, prompt_scores = prefill(model, prompt, cache, options.prompt_logprobs)
         token = sampler(logits, history)
