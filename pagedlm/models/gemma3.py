@@ -20,11 +20,10 @@ from functools import lru_cache
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from pagedlm.attention import attention
 from pagedlm.cache import Cache, KVCache, RotatingKVCache
-from pagedlm.models.layers import GatedMLP, RMSNorm, RoPE
+from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -103,19 +102,17 @@ class Attention(nn.Module):
         self.head_dim = D = args.head_dim
         self.scale = args.query_pre_attn_scalar**-0.5
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=bias)
+        self.qkv_heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        self.qkv_proj = Linear(args.hidden_size, sum(self.qkv_heads) * D, bias=bias)
+        self.o_proj = Linear(self.n_heads * D, args.hidden_size, bias=bias)
         self.q_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
         self.rope = rope
 
     def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        heads = self.qkv_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split(self.qkv_heads, dim=1)
         offset = cache.offset
         q = self.rope(self.q_norm(q), offset)
         k = self.rope(self.k_norm(k), offset)
@@ -151,7 +148,7 @@ class Gemma3Model(nn.Module):
             SLIDING: RoPE(args.head_dim, args.rope_local_base_freq, args.rope_local_scaling),
             FULL: RoPE(args.head_dim, args.rope_theta, args.rope_scaling),
         }
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args, ropes[t]) for t in args.layer_types)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
 
@@ -171,14 +168,14 @@ class Model(nn.Module):
         self.args = args
         self.model = Gemma3Model(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
         """Logits ``[B, L, V]``, or ``[B, 1, V]`` for the last position only
         (a prefill needs no more, and skips a 262k-wide matmul per token)."""
         h = self.model(input_ids, cache, last_only)
         if self.args.tie_word_embeddings:
-            logits = F.linear(h, self.model.embed_tokens.weight)
+            logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
         cap = self.args.final_logit_softcapping
@@ -187,13 +184,14 @@ class Model(nn.Module):
         return logits
 
     def sanitize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Drop what the module does not own: a tied lm_head, old RoPE buffers."""
-        return {
+        """Drop what the module does not own (a tied lm_head, old RoPE
+        buffers); fuse q/k/v and gate/up as the modules hold them."""
+        return fuse_projections({
             k: v
             for k, v in weights.items()
             if not (self.args.tie_word_embeddings and k == "lm_head.weight")
             and "rotary_emb" not in k
-        }
+        })
 
     def make_cache(self) -> list[Cache]:
         return [

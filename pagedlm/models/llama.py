@@ -15,11 +15,10 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from pagedlm.attention import attention
 from pagedlm.cache import Cache, KVCache, RotatingKVCache
-from pagedlm.models.layers import GatedMLP, RMSNorm, RoPE
+from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -107,10 +106,9 @@ class Attention(nn.Module):
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = D = args.head_dim
         self.scale = D**-0.5
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=args.o_bias)
+        self.qkv_heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        self.qkv_proj = Linear(args.hidden_size, sum(self.qkv_heads) * D, bias=args.qkv_bias)
+        self.o_proj = Linear(self.n_heads * D, args.hidden_size, bias=args.o_bias)
         self.qk_norm = args.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
@@ -119,14 +117,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        heads = self.qkv_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split(self.qkv_heads, dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         offset = cache.offset
-        q = self.rope(q.transpose(1, 2), offset)
-        k = self.rope(k.transpose(1, 2), offset)
+        q = self.rope(q, offset)
+        k = self.rope(k, offset)
         mask = cache.make_mask(L)
         if mask is not None:
             mask = mask.to(x.device)  # before its first update a cache builds masks on the CPU
@@ -152,7 +149,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args, rope) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -171,24 +168,25 @@ class Model(nn.Module):
         self.args = args
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
         """Logits ``[B, L, V]``, or ``[B, 1, V]`` for the last position only
         (a prefill needs no more, and skips the vocabulary matmul per token)."""
         h = self.model(input_ids, cache, last_only)
         if self.args.tie_word_embeddings:
-            return F.linear(h, self.model.embed_tokens.weight)
+            return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
     def sanitize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Drop what the module does not own: a tied lm_head, old RoPE buffers."""
-        return {
+        """Drop what the module does not own (a tied lm_head, old RoPE
+        buffers); fuse q/k/v and gate/up as the modules hold them."""
+        return fuse_projections({
             k: v
             for k, v in weights.items()
             if not (self.args.tie_word_embeddings and k == "lm_head.weight")
             and "rotary_emb.inv_freq" not in k
-        }
+        })
 
     def make_cache(self) -> list[Cache]:
         windows = (self.args.window(i) for i in range(self.args.num_hidden_layers))

@@ -1,0 +1,52 @@
+"""One-row float32 products on the CPU, spread over the intra-op threads.
+
+A decode step reads every weight once and is bound by memory bandwidth. MKL
+runs a matrix-vector product on one thread whatever ``torch.set_num_threads``
+says, and one core does not saturate the memory bus. A K-major weight
+(``models.layers``: ``[in, out]`` in memory) cut into ``threads`` row blocks
+is a contiguous ``[threads, in / threads, out]`` view of the same storage, and
+``torch.bmm`` runs the blocks in parallel, each thread streaming its own
+contiguous slab: ``x`` split the same way gives ``threads`` partial products,
+which are then summed. Same input, same thread count: the same bits on every
+run; against the one-thread product the last bits differ (two partial sums).
+
+Measured on 2 cores (AMD EPYC, MKL), a 30-layer SmolLM2-shaped stack of
+projections 40 -> 28 ms per token; Gemma 3's 262144 x 640 lm_head 43 -> 33 ms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SPLIT_MIN_BYTES = 1 << 20  # smaller weights do not repay the fork/join
+
+
+def is_k_major(weight: torch.Tensor) -> bool:
+    """``[out, in]`` weight stored as ``[in, out]`` rows."""
+    return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; one row times a big K-major float32 CPU
+    weight runs in ``torch.get_num_threads()`` parallel slabs."""
+    out_features, in_features = weight.shape
+    if (
+        x.numel() != in_features  # more than one row: a GEMM, threaded already
+        or weight.dtype != torch.float32
+        or weight.numel() * 4 < SPLIT_MIN_BYTES
+        or weight.device.type != "cpu"
+        or not is_k_major(weight)
+    ):
+        return F.linear(x, weight, bias)
+    blocks = torch.get_num_threads()
+    if blocks < 2 or in_features % blocks:
+        return F.linear(x, weight, bias)
+    rows = in_features // blocks
+    slabs = weight.as_strided((blocks, rows, out_features), (rows * out_features, out_features, 1))
+    partial = torch.bmm(x.reshape(blocks, 1, rows), slabs)
+    y = partial[0]
+    for p in partial[1:]:  # fixed order; faster than sum(0) over 262144 logits
+        y = y + p
+    y = y.view(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
