@@ -11,6 +11,6 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 python3 -m pytest -q tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 for cfg in qwen3-0.6b llama-3.1-8b; do
   python3 -m pagedlm.cli bench decode --random-weights --model "benchmarks/configs/$cfg" \
-    --device cuda --prompt-len 256 1024 4096 --gen-len 64 --repeats 3 \
+    --device cuda --prompt-len 256 1024 4096 --gen-len 64 --repeats 5 \
     --paged-kv --paged-kv-block-size "${BLOCK:-256}" --json 2>&1 | tee -a "$OUT/bench.jsonl"
 done
