@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 import transformers  # test-only oracle
 
+from pagedlm.kernels import cpu
 from pagedlm.models import build_model
 from pagedlm.models.layers import rope_inv_freq
 
@@ -219,6 +220,65 @@ def test_greedy_trajectory_matches_transformers_generate(pair, case):
     top2 = reference[len(prompt) - 1 :].topk(2, dim=-1).values
     margin = (top2[:, 0] - top2[:, 1]).min()
     assert margin > 2 * ATOL, f"near-tie ({margin:.2e}) in the test weights: pick another seed"
+
+
+@torch.no_grad()
+def test_threaded_one_row_products_match_transformers(pair, monkeypatch):
+    """Decode through ``kernels.cpu.linear``'s threaded path on every
+    projection (the real models only take it for weights of a megabyte or
+    more): same greedy tokens, logits within ATOL, and the path really ran."""
+    family, hf, ours = pair
+    prompt, chunks = CASES["mixed-chunks"]
+    monkeypatch.setattr(cpu, "SPLIT_MIN_BYTES", 0)
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or bmm(*a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tokens, logits = run_ours(ours, prompt, chunks, NEW_TOKENS)
+        again, logits_again = run_ours(ours, prompt, chunks, NEW_TOKENS)
+    finally:
+        torch.set_num_threads(threads)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in ours.modules()) + 1  # + tied head
+    assert len(calls) >= 2 * (NEW_TOKENS - 1) * (n_linear - 1)
+    assert tokens == again and torch.equal(logits, logits_again)  # deterministic
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert tokens == out[0, len(prompt) :].tolist()
+    torch.testing.assert_close(logits, hf(out[:, :-1]).logits[0], atol=ATOL, rtol=0)
+
+
+def test_weights_are_k_major_for_float32_cpu_only(pair):
+    """Projection and embedding weights keep their HF shapes ``[out, in]``;
+    in float32 on the CPU they live K-major (``[in, out]`` in memory), in any
+    other dtype row-major as checkpoints store them. The layout follows the
+    model through ``.to()`` and through ``load_model``'s
+    ``load_state_dict(assign=True)`` + ``.to()``; q/k/v and gate/up are fused
+    under their own names."""
+    family, hf, ours = pair
+    names = set(ours.state_dict())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(".q_proj." in n or ".gate_proj." in n for n in names)
+
+    def matrices(model):
+        return [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+
+    assert all(cpu.is_k_major(p) for _, p in matrices(ours))
+    half = copy.deepcopy(ours).to(torch.bfloat16)
+    assert all(p.is_contiguous() for _, p in matrices(half))
+    assert all(cpu.is_k_major(p) for _, p in matrices(half.float()))
+
+    with torch.device("meta"):
+        loaded = build_model(json.loads(hf.config.to_json_string()))
+    weights = {k: v.clone() for k, v in hf.state_dict().items()}
+    loaded.load_state_dict(loaded.sanitize(weights), strict=True, assign=True)
+    loaded.to("cpu", torch.float32)
+    assert all(cpu.is_k_major(p) for _, p in matrices(loaded))
+    for (name, a), (_, b) in zip(matrices(loaded), matrices(ours)):
+        assert torch.equal(a, b), name
 
 
 def test_config_spellings_give_transformers_rope_frequencies():
