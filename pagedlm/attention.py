@@ -1,29 +1,39 @@
-"""One attention entry point for every model."""
+"""One attention entry point for every model and store: ``attend_row``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-# cuDNN's SDPA backend was seen to differ by one ulp between two calls on
-# identical inputs (fp16, H200): a paged and a default run could then part
-# ways. Flash, memory-efficient and math backends are deterministic here.
-if torch.backends.cuda.is_built():
-    torch.backends.cuda.enable_cudnn_sdp(False)
 
-
-def attention(
+def attend_row(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Scaled dot-product attention with grouped KV heads.
+    """Scaled dot-product attention of one sequence's queries, grouped KV heads.
 
-    q: [B, Hq, L, D]; k, v: [B, Hkv, S, D]; mask: None or bool [L, S]
-    (True = attend). Returns [B, Hq, L, D].
+    q: ``[L, H_q, D]``; k, v: ``[S, H_kv, D]`` (token-major, as the stores
+    hold them); mask: None (every key visible) or bool ``[L, S]``, True =
+    attend. Returns ``[L, H_q, D]``.
     """
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
     )
+    return out[0].transpose(0, 1)
+
+
+def keep_sdpa_deterministic() -> None:
+    """Turn cuDNN's SDPA backend off (called when an engine starts on CUDA).
+
+    It was seen to differ by one ulp between two calls on identical inputs
+    (fp16, H200): a paged and a default run could then part ways. Flash,
+    memory-efficient and math backends are deterministic here. Done at engine
+    start rather than at import, so that importing pagedlm changes nothing
+    for the rest of a process that never runs it.
+    """
+    if torch.backends.cuda.is_built():
+        torch.backends.cuda.enable_cudnn_sdp(False)

@@ -28,6 +28,10 @@ class UnsupportedOption(OptionError):
     """A combination of options that is refused at startup."""
 
 
+class RequestTooLarge(OptionError):
+    """A request that could never fit the KV budget, refused when it is added."""
+
+
 @dataclass(frozen=True)
 class PagedKvOptions:
     """Turns on the paged KV cache for full-attention layers."""
@@ -36,25 +40,36 @@ class PagedKvOptions:
 
 
 @dataclass
-class GenerateOptions:
-    """Everything one generation request asks for."""
+class SamplingParams:
+    """Everything one request asks of generation (vLLM's field names).
+
+    ``n`` continuations of one prompt run as ``n`` sequences. ``logprobs`` /
+    ``prompt_logprobs``: None for none, k >= 0 for the chosen token's logprob
+    plus the top k.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (-1 is accepted as off too, as vLLM spells it)
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
-    prompt_logprobs: int | None = None  # same, for every prompt token after the first
     ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks)
-    paged_kv: PagedKvOptions | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def validate(self) -> None:
         """Raise `OptionError` naming the first bad field."""
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         checks: list[tuple[bool, str]] = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1 (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
@@ -63,14 +78,23 @@ class GenerateOptions:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p})"),
             (self.repetition_penalty > 0,
              f"repetition_penalty must be > 0 (got {self.repetition_penalty})"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2] (got {self.presence_penalty})"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20] (got {self.logprobs})"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in [0, 20] (got {self.prompt_logprobs})"),
+            (self.n >= 1, f"n must be >= 1 (got {self.n})"),
         ]
         for ok, message in checks:
             if not ok:
                 raise OptionError(message)
+
+
+# The serial API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).
+GenerateOptions = SamplingParams
 
 
 # ---------------------------------------------------------------------------
@@ -158,6 +182,16 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda s: not s.get("paged_kv") and s.get("paged_kv_block_size") is not None,
         "--paged-kv-block-size needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
     ),
+    Refusal(
+        "two KV budgets",
+        lambda s: s.get("kv_budget_bytes") is not None and s.get("gpu_memory_fraction") is not None,
+        "--kv-budget-bytes and --gpu-memory-fraction both size the KV budget; give one",
+    ),
+    Refusal(
+        "GPU memory fraction off CUDA",
+        lambda s: s.get("device") == "cpu" and s.get("gpu_memory_fraction") is not None,
+        "--gpu-memory-fraction sizes the KV budget from CUDA memory; on the CPU give --kv-budget-bytes",
+    ),
 )
 
 
@@ -166,6 +200,101 @@ def check_refusals(settings: Settings) -> None:
     for refusal in REFUSALS:
         if refusal.applies(settings):
             raise UnsupportedOption(refusal.reason)
+
+
+# ---------------------------------------------------------------------------
+# Engine options: how the batched engine schedules and stores KV. One row per
+# flag, shared by `generate`, `chat`, `bench` and `serve`.
+
+
+def _byte_count(text: str | int, name: str) -> int:
+    """An integer byte count, with an optional K/M/G/T suffix (powers of 1024)."""
+    raw = str(text).strip()
+    scale = 1
+    if raw and raw[-1].upper() in "KMGT":
+        scale = 1024 ** ("KMGT".index(raw[-1].upper()) + 1)
+        raw = raw[:-1]
+    try:
+        value = int(raw) * scale
+    except ValueError:
+        raise OptionError(f"{name} must be a byte count such as 4294967296 or 4G (got {text!r})") from None
+    if value <= 0:
+        raise OptionError(f"{name} must be > 0 (got {text!r})")
+    return value
+
+
+def _fraction(text: str | float, name: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise OptionError(f"{name} must be in (0, 1] (got {text!r})")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Scheduling and KV storage of one `LLMEngine`; None means the device's default."""
+
+    paged_kv: PagedKvOptions | None = None
+    max_num_seqs: int | None = None  # rows per step
+    max_num_batched_tokens: int | None = None  # new tokens per step (prefill chunks included)
+    kv_budget_bytes: int | None = None  # KV bytes all live sequences may hold
+    gpu_memory_fraction: float | None = None  # CUDA: budget = fraction of memory free after weights
+    max_model_len: int | None = None  # prompt + max_tokens; default: the model's context
+    prompt_cache_bytes: int = 0  # default store: keep finished sequences' KV for prefix reuse
+
+
+# Device defaults: a CPU step is compute-bound well before 512 tokens; a GPU
+# step wants thousands of tokens and hundreds of rows to fill the device.
+DEVICE_DEFAULTS = {
+    "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_budget_bytes": 2 * 1024**3},
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_fraction": 0.9},
+}
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    name: str  # attribute of EngineOptions
+    env: str
+    parse: Callable[[str], object]
+    help: str
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("max_num_seqs", "PAGEDLM_MAX_NUM_SEQS", lambda t: positive_int(t, "--max-num-seqs"),
+               "sequences per step (default: 64 on CPU, 256 on CUDA)"),
+    EngineFlag("max_num_batched_tokens", "PAGEDLM_MAX_NUM_BATCHED_TOKENS",
+               lambda t: positive_int(t, "--max-num-batched-tokens"),
+               "new tokens per step; longer prompts prefill in chunks (default: 512 on CPU, 8192 on CUDA)"),
+    EngineFlag("kv_budget_bytes", "PAGEDLM_KV_BUDGET_BYTES", lambda t: _byte_count(t, "--kv-budget-bytes"),
+               "KV bytes for all live sequences, e.g. 4G (default: 2G on CPU; on CUDA see --gpu-memory-fraction)"),
+    EngineFlag("gpu_memory_fraction", "PAGEDLM_GPU_MEMORY_FRACTION",
+               lambda t: _fraction(t, "--gpu-memory-fraction"),
+               "CUDA: KV budget as a fraction of the memory free after loading weights (default 0.9)"),
+)
+
+
+def resolve_engine_options(
+    flags: Mapping[str, object],
+    environ: Mapping[str, str] | None = None,
+    **fixed: object,
+) -> EngineOptions:
+    """Explicit flag > environment variable > the device default (applied by
+    the engine). ``flags`` also carries ``paged_kv`` / ``paged_kv_block_size``;
+    ``fixed`` sets fields that have no flag here (max_model_len, prompt cache)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for row in ENGINE_FLAGS:
+        value = flags.get(row.name)
+        if value is None and env.get(row.env):
+            value = env[row.env]
+        if value is not None:
+            values[row.name] = row.parse(value)
+    check_refusals(values)
+    paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env)
+    return EngineOptions(paged_kv=paged, **values, **fixed)
 
 
 # ---------------------------------------------------------------------------

@@ -1,15 +1,9 @@
-"""Per-layer KV caches behind one protocol (see ``base.Cache``)."""
+"""KV storage: per-sequence caches behind the ``base.Cache`` protocol, the
+paged pools, and the ``KVStore`` the model writes to and attends over."""
 
 from pagedlm.cache.base import Cache
 from pagedlm.cache.kv import STEP, KVCache, RotatingKVCache
-from pagedlm.cache.paged import BlockPool, PagedKVCache, PagedPoolExhausted
+from pagedlm.cache.paged import PagedPools
+from pagedlm.cache.store import KVSpec, KVStore
 
-__all__ = [
-    "Cache",
-    "STEP",
-    "KVCache",
-    "RotatingKVCache",
-    "BlockPool",
-    "PagedKVCache",
-    "PagedPoolExhausted",
-]
+__all__ = ["Cache", "STEP", "KVCache", "RotatingKVCache", "PagedPools", "KVSpec", "KVStore"]

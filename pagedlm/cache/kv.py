@@ -1,8 +1,10 @@
-"""Contiguous per-layer KV caches: ``KVCache`` and ``RotatingKVCache``.
+"""Contiguous KV caches of one sequence and one layer: ``KVCache`` and ``RotatingKVCache``.
 
-Both hand attention exactly the keys it attends to, never padding: float32
-SDPA changes its last bits when the key length changes, and the paged cache
-must match these caches bit for bit.
+Keys and values are token-major, ``[tokens, H_kv, D]``, the layout of the
+paged store's blocks: a fetch here and a gather there hand attention tensors
+of the same shape and strides, so the default and paged stores give the same
+bits. Both hand attention exactly the keys it attends to, never padding:
+float32 SDPA changes its last bits when the key length changes.
 """
 
 from __future__ import annotations
@@ -41,23 +43,21 @@ class KVCache:
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        prev, n = self.offset, keys.shape[2]
-        if self.keys is None or prev + n > self.keys.shape[2]:
+        prev, n = self.offset, keys.shape[0]
+        if self.keys is None or prev + n > self.keys.shape[0]:
             self._grow(keys, values, prev + n)
-        self.keys[:, :, prev : prev + n] = keys
-        self.values[:, :, prev : prev + n] = values
+        self.keys[prev : prev + n] = keys
+        self.values[prev : prev + n] = values
         self.offset = prev + n
-        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+        return self.keys[: self.offset], self.values[: self.offset]
 
     def _grow(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
         capacity = -(-needed // self.STEP) * self.STEP
-        B, H, _, Dk = keys.shape
-        Dv = values.shape[3]
-        new_k = keys.new_zeros(B, H, capacity, Dk)
-        new_v = values.new_zeros(B, H, capacity, Dv)
+        new_k = keys.new_zeros(capacity, *keys.shape[1:])
+        new_v = values.new_zeros(capacity, *values.shape[1:])
         if self.keys is not None and self.offset > 0:
-            new_k[:, :, : self.offset] = self.keys[:, :, : self.offset]
-            new_v[:, :, : self.offset] = self.values[:, :, : self.offset]
+            new_k[: self.offset] = self.keys[: self.offset]
+            new_v[: self.offset] = self.values[: self.offset]
         self.keys, self.values = new_k, new_v
 
     def make_mask(
@@ -121,8 +121,8 @@ class RotatingKVCache:
     def _temporal(self, x: torch.Tensor) -> torch.Tensor:
         """Valid tokens, oldest first."""
         if self._ring:
-            return torch.cat([x[:, :, self._idx :], x[:, :, : self._idx]], dim=2)
-        return x[:, :, : self._n]
+            return torch.cat([x[self._idx :], x[: self._idx]])
+        return x[: self._n]
 
     def _kept(self) -> int:
         """Old tokens a multi-token update keeps (and returns) before the new ones."""
@@ -133,7 +133,7 @@ class RotatingKVCache:
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if keys.shape[2] == 1 and self.keys is not None:
+        if keys.shape[0] == 1 and self.keys is not None:
             return self._update_one(keys, values)
         return self._update_concat(keys, values)
 
@@ -144,15 +144,15 @@ class RotatingKVCache:
         if self.keys is None or kept == 0:
             new_k, new_v = keys.clone(), values.clone()
         else:
-            old_k = self._temporal(self.keys)[:, :, self._n - kept :]
-            old_v = self._temporal(self.values)[:, :, self._n - kept :]
-            new_k = torch.cat([old_k, keys], dim=2)
-            new_v = torch.cat([old_v, values], dim=2)
+            old_k = self._temporal(self.keys)[self._n - kept :]
+            old_v = self._temporal(self.values)[self._n - kept :]
+            new_k = torch.cat([old_k, keys])
+            new_v = torch.cat([old_v, values])
         self.keys, self.values = new_k, new_v
-        self._n = new_k.shape[2]
+        self._n = new_k.shape[0]
         self._ring = False
         self._idx = 0
-        self.offset += keys.shape[2]
+        self.offset += keys.shape[0]
         return self.keys, self.values
 
     def _update_one(
@@ -163,21 +163,21 @@ class RotatingKVCache:
                 # Linear buffer after a multi-token update: keep the newest
                 # max_size tokens as a ring whose oldest slot is 0.
                 start = self._n - self.max_size
-                self.keys = self.keys[:, :, start : self._n].clone()
-                self.values = self.values[:, :, start : self._n].clone()
+                self.keys = self.keys[start : self._n].clone()
+                self.values = self.values[start : self._n].clone()
                 self._n, self._ring, self._idx = self.max_size, True, 0
             else:
-                if self._n == self.keys.shape[2]:
+                if self._n == self.keys.shape[0]:
                     self._grow()
-                self.keys[:, :, self._n : self._n + 1] = keys
-                self.values[:, :, self._n : self._n + 1] = values
+                self.keys[self._n : self._n + 1] = keys
+                self.values[self._n : self._n + 1] = values
                 self._n += 1
                 self.offset += 1
                 if self._n == self.max_size:
                     self._ring, self._idx = True, 0
-                return self.keys[:, :, : self._n], self.values[:, :, : self._n]
-        self.keys[:, :, self._idx : self._idx + 1] = keys
-        self.values[:, :, self._idx : self._idx + 1] = values
+                return self.keys[: self._n], self.values[: self._n]
+        self.keys[self._idx : self._idx + 1] = keys
+        self.values[self._idx : self._idx + 1] = values
         self._idx = (self._idx + 1) % self.max_size
         self.offset += 1
         return self.keys, self.values
@@ -185,11 +185,10 @@ class RotatingKVCache:
     def _grow(self) -> None:
         """Extend the linear buffer by up to STEP slots, never past max_size."""
         capacity = min(self._n + STEP, self.max_size)
-        B, H, _, Dk = self.keys.shape
-        new_k = self.keys.new_zeros(B, H, capacity, Dk)
-        new_v = self.values.new_zeros(B, H, capacity, self.values.shape[3])
-        new_k[:, :, : self._n] = self.keys[:, :, : self._n]
-        new_v[:, :, : self._n] = self.values[:, :, : self._n]
+        new_k = self.keys.new_zeros(capacity, *self.keys.shape[1:])
+        new_v = self.values.new_zeros(capacity, *self.values.shape[1:])
+        new_k[: self._n] = self.keys[: self._n]
+        new_v[: self._n] = self.values[: self._n]
         self.keys, self.values = new_k, new_v
 
     def make_mask(

@@ -1,8 +1,8 @@
 """Gemma 3 text model (model_type ``gemma3_text``).
 
 What sets it apart from the Llama family:
-  - interleaved layers: most slide over a window of ``sliding_window`` keys
-    (``RotatingKVCache``), every few are global (``KVCache``); the pattern comes
+  - interleaved layers: most slide over a window of ``sliding_window`` keys,
+    every few are global (``kv_spec``); the pattern comes
     from ``layer_types`` or, in older configs, ``sliding_window_pattern``;
   - two RoPE bases: ``rope_theta`` (1e6, plus ``rope_scaling`` if any) on global
     layers, ``rope_local_base_freq`` (1e4, unscaled) on sliding ones;
@@ -21,9 +21,8 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
-from pagedlm.attention import attention
-from pagedlm.cache import Cache, KVCache, RotatingKVCache
-from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections
+from pagedlm.cache.store import KVSpec, KVStore
+from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, apply_rope, fuse_projections
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -56,6 +55,7 @@ class ModelArgs:
     attention_bias: bool = False
     use_bidirectional_attention: bool = False
     tie_word_embeddings: bool = True
+    max_position_embeddings: int | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
@@ -95,8 +95,9 @@ def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RoPE):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.layer = layer
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = D = args.head_dim
@@ -107,36 +108,31 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * D, args.hidden_size, bias=bias)
         self.q_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
-        self.rope = rope
 
-    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
-        B, L, _ = x.shape
-        heads = self.qkv_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split(self.qkv_heads, dim=1)
-        offset = cache.offset
-        q = self.rope(self.q_norm(q), offset)
-        k = self.rope(self.k_norm(k), offset)
-        mask = cache.make_mask(L)
-        if mask is not None:
-            mask = mask.to(x.device)  # before its first update a cache builds masks on the CPU
-        k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, mask, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+    def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
+        q = apply_rope(self.q_norm(q), rope_rows)
+        k = apply_rope(self.k_norm(k), rope_rows)
+        kv.write(self.layer, k, v, step)
+        out = kv.attend(self.layer, q, step, scale=self.scale)
+        return self.o_proj(out.reshape(T, -1))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RoPE):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         dim, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = Attention(args, rope)
+        self.layer_type = args.layer_types[layer]
+        self.self_attn = Attention(args, layer)
         self.mlp = GatedMLP(dim, args.intermediate_size, args.hidden_activation)
         self.input_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
 
-    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+    def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope_rows, kv, step))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -144,21 +140,20 @@ class Gemma3Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        ropes = {
+        self.ropes = {
             SLIDING: RoPE(args.head_dim, args.rope_local_base_freq, args.rope_local_scaling),
             FULL: RoPE(args.head_dim, args.rope_theta, args.rope_scaling),
         }
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(args, ropes[t]) for t in args.layer_types)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
 
-    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         h = h * _embed_scale(self.args.hidden_size, h.dtype)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h = layer(h, layer_cache)
-        if last_only:
-            h = h[:, -1:]
+        rope_rows = {t: rope.rows(positions, step.max_position, h.dtype) for t, rope in self.ropes.items()}
+        for layer in self.layers:
+            h = layer(h, rope_rows[layer.layer_type], kv, step)
         return self.norm(h)
 
 
@@ -170,10 +165,14 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
-        """Logits ``[B, L, V]``, or ``[B, 1, V]`` for the last position only
-        (a prefill needs no more, and skips a 262k-wide matmul per token)."""
-        h = self.model(input_ids, cache, last_only)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of one flattened step (``batch.step.StepBatch``):
+        ``input_ids`` and ``positions`` ``[T]``, keys and values through ``kv``."""
+        return self.model(input_ids, positions, kv, step)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the hidden states of the rows that need them (a prefill
+        needs only its last: the 262k-wide head is the biggest matmul)."""
         if self.args.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:
@@ -193,8 +192,9 @@ class Model(nn.Module):
             and "rotary_emb" not in k
         })
 
-    def make_cache(self) -> list[Cache]:
+    def kv_spec(self) -> list[KVSpec]:
+        a = self.args
         return [
-            RotatingKVCache(self.args.sliding_window) if t == SLIDING else KVCache()
-            for t in self.args.layer_types
+            KVSpec(a.num_key_value_heads, a.head_dim, a.sliding_window if t == SLIDING else None)
+            for t in a.layer_types
         ]

@@ -79,11 +79,12 @@ class RoPE:
 
     A plain object, not a module: it holds no weights, so it never shows up in
     a state dict, is never cast by ``model.to(dtype)``, and one instance can be
-    shared by every layer that uses the same frequencies. cos/sin tables are
-    cached per (device, dtype) and grown by doubling, and the rows of the last
-    call are kept, so that the layers of one forward after the first only
-    multiply. Each row equals what transformers computes for that position:
-    ``float(pos) * inv_freq`` in float32, halves duplicated, cos/sin, cast.
+    shared by every layer that uses the same frequencies. The cos/sin table
+    per (device, dtype) only grows (by doubling); a step looks its positions
+    up once (``rows``) and every layer of that step only multiplies
+    (``apply_rope``). Each row equals what transformers computes for that
+    position: ``float(pos) * inv_freq`` in float32, halves duplicated,
+    cos/sin, cast.
 
     transformers rotates as ``x * cos + rotate_half(x) * sin`` with
     ``rotate_half(x) = cat(-x2, x1)``. Here the minus sign lives in the sin
@@ -95,7 +96,6 @@ class RoPE:
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, base, scaling)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._rows: tuple = (None, None, None)  # (key, cos, signed sin) of the last call
 
     def _table(self, n: int, device: torch.device, dtype: torch.dtype):
         key = (device, dtype)
@@ -109,19 +109,20 @@ class RoPE:
             sin = emb.sin()
             signed_sin = torch.cat((-sin[:, : self.head_dim // 2], sin[:, self.head_dim // 2 :]), dim=-1)
             table = (emb.cos().to(dtype), signed_sin.to(dtype))
-            self._tables[key] = table
+            self._tables[key] = table  # one assignment: a reader sees the old or the new table
         return table
 
-    def __call__(self, x: torch.Tensor, offset: int) -> torch.Tensor:
-        """Rotate ``x`` ``[B, H, L, D]`` as positions ``offset .. offset+L-1``."""
-        L = x.shape[2]
-        key = (offset, L, x.device, x.dtype)
-        last, cos, sin = self._rows
-        if key != last:
-            cos, sin = self._table(offset + L, x.device, x.dtype)
-            cos, sin = cos[offset : offset + L], sin[offset : offset + L]
-            self._rows = (key, cos, sin)
-        return (x * cos) + (x.roll(self.head_dim // 2, dims=-1) * sin)
+    def rows(self, positions: torch.Tensor, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for ``positions`` ``[T]``, as ``[T, 1, D]``;
+        ``max_position`` (a host int) bounds them, so that no device value is read."""
+        cos, sin = self._table(max_position + 1, positions.device, dtype)
+        return cos[positions][:, None], sin[positions][:, None]
+
+
+def apply_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by the rows ``RoPE.rows`` looked up for its tokens."""
+    cos, sin = rows
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * sin)
 
 
 def _lay_out_for_device(param: nn.Parameter) -> None:

@@ -5,7 +5,7 @@ checkpoint's config.json:
   - Qwen2: bias on q/k/v (not on o);
   - Qwen3: per-head RMSNorm on q and k, head_dim given explicitly;
   - Mistral (and Qwen with ``use_sliding_window``): sliding-window layers,
-    which get a ``RotatingKVCache`` instead of a ``KVCache``;
+    whose keys a ``RotatingKVCache`` bounds (``kv_spec``);
   - Llama 3.1: "llama3" RoPE scaling.
 """
 
@@ -16,9 +16,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 
-from pagedlm.attention import attention
-from pagedlm.cache import Cache, KVCache, RotatingKVCache
-from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections
+from pagedlm.cache.store import KVSpec, KVStore
+from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, apply_rope, fuse_projections
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -39,6 +38,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    max_position_embeddings: int | None = None
     hidden_act: str = "silu"
     sliding_window: int | None = None
     use_sliding_window: bool = False
@@ -100,8 +100,9 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RoPE):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.layer = layer
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = D = args.head_dim
@@ -113,52 +114,44 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
             self.k_norm = RMSNorm(D, args.rms_norm_eps)
-        self.rope = rope
 
-    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
-        B, L, _ = x.shape
-        heads = self.qkv_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split(self.qkv_heads, dim=1)
+    def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache.offset
-        q = self.rope(q, offset)
-        k = self.rope(k, offset)
-        mask = cache.make_mask(L)
-        if mask is not None:
-            mask = mask.to(x.device)  # before its first update a cache builds masks on the CPU
-        k, v = cache.update_and_fetch(k, v)
-        out = attention(q, k, v, mask, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+        q, k = apply_rope(q, rope_rows), apply_rope(k, rope_rows)
+        kv.write(self.layer, k, v, step)
+        out = kv.attend(self.layer, q, step, scale=self.scale)
+        return self.o_proj(out.reshape(T, -1))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, rope: RoPE):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.self_attn = Attention(args, rope)
+        self.self_attn = Attention(args, layer)
         self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.hidden_act, args.mlp_bias)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+    def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope_rows, kv, step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling)
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(args, rope) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h = layer(h, layer_cache)
-        if last_only:
-            h = h[:, -1:]
+        rope_rows = self.rope.rows(positions, step.max_position, h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope_rows, kv, step)
         return self.norm(h)
 
 
@@ -170,10 +163,13 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: list[Cache], last_only: bool = False) -> torch.Tensor:
-        """Logits ``[B, L, V]``, or ``[B, 1, V]`` for the last position only
-        (a prefill needs no more, and skips the vocabulary matmul per token)."""
-        h = self.model(input_ids, cache, last_only)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
+        """Hidden states ``[T, d]`` of one flattened step (``batch.step.StepBatch``):
+        ``input_ids`` and ``positions`` ``[T]``, keys and values through ``kv``."""
+        return self.model(input_ids, positions, kv, step)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the hidden states of the rows that need them."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
@@ -188,6 +184,6 @@ class Model(nn.Module):
             and "rotary_emb.inv_freq" not in k
         })
 
-    def make_cache(self) -> list[Cache]:
-        windows = (self.args.window(i) for i in range(self.args.num_hidden_layers))
-        return [KVCache() if w is None else RotatingKVCache(w) for w in windows]
+    def kv_spec(self) -> list[KVSpec]:
+        a = self.args
+        return [KVSpec(a.num_key_value_heads, a.head_dim, a.window(i)) for i in range(a.num_hidden_layers)]

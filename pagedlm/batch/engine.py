@@ -1,0 +1,282 @@
+"""The engine: many sequences, one flattened forward pass per step (``LLMEngine``).
+
+    seq = engine.add_request(prompt_ids, SamplingParams(...))
+    while engine.has_unfinished():
+        for out in engine.step():      # GenerationResponse per sequence that moved
+            ...
+
+A step: the scheduler picks rows and their new tokens, ``prepare_step``
+flattens them, the model runs once over all of them, the rows that reached
+the end of their tokens get logits and a sampled token, and each sampled
+token is appended, detokenized and checked against the stops. One request
+alone is a batch of one: the CLI, ``stream_generate`` and the server all run
+through here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from pagedlm.attention import keep_sdpa_deterministic
+from pagedlm.cache.paged import PagedPools
+from pagedlm.cache.prompt import PromptCache
+from pagedlm.cache.store import KVStore
+from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
+from pagedlm.sampling import logprobs_of, sample
+
+from .block_manager import BlockManager
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus, TokenLogprob
+from .step import prepare_step
+
+if TYPE_CHECKING:
+    from pagedlm.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8192  # when a config names no max_position_embeddings
+
+
+@dataclass
+class GenerationResponse:
+    """What one step did for one sequence."""
+
+    text: str  # newly completed text (may be empty while UTF-8 or a stop string is pending)
+    token: int | None  # the sampled token; None when the sequence ends without one
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last response
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys came from the prompt cache
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    paged_kv: bool = False
+    prompt_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+    seq: Sequence | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class KVUsage:
+    """KV bytes right now: ``allocated`` (held by live sequences: their blocks,
+    or their cache buffers) and ``live`` (holding tokens they attend to)."""
+
+    allocated: int
+    live: int
+    capacity: int  # the pool (paged) or the budget (default)
+
+
+def model_context_length(model: torch.nn.Module) -> int:
+    return int(getattr(model.args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN)
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: "Tokenizer",
+                 options: EngineOptions | None = None) -> None:
+        options = options or EngineOptions()
+        param = next(model.parameters())
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.device, self.dtype = param.device, param.dtype
+        kind = self.device.type
+        check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction})
+        if kind == "cuda":
+            keep_sdpa_deterministic()
+        defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
+        self.max_num_seqs = options.max_num_seqs or defaults["max_num_seqs"]
+        self.max_num_batched_tokens = options.max_num_batched_tokens or defaults["max_num_batched_tokens"]
+        context = model_context_length(model)
+        self.max_model_len = options.max_model_len or context
+        if self.max_model_len > context:
+            raise OptionError(f"--max-model-len {self.max_model_len} exceeds the model's context "
+                              f"length ({context} tokens)")
+        self.specs = model.kv_spec()
+        elem = torch.finfo(self.dtype).bits // 8
+        self.bytes_per_token = [2 * s.num_kv_heads * s.head_dim * elem for s in self.specs]
+        self.kv_budget_bytes = self._budget(options, defaults)
+        self.blocks: BlockManager | None = None
+        pools = None
+        if options.paged_kv is not None:
+            bs = options.paged_kv.block_size
+            paged = [i for i, s in enumerate(self.specs) if s.window is None]
+            spec = self.specs[paged[0]] if paged else self.specs[0]
+            per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype)
+            num_blocks = self.kv_budget_bytes // per_block if paged else 0
+            need = -(-self.max_model_len // bs)
+            if paged and num_blocks < need:
+                raise OptionError(
+                    f"the KV budget ({self.kv_budget_bytes} bytes) holds {num_blocks} blocks of {bs} tokens, "
+                    f"fewer than one sequence of max_model_len {self.max_model_len} needs ({need}); "
+                    f"raise --kv-budget-bytes or lower --max-model-len")
+            if paged:
+                pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+                self.blocks = BlockManager(num_blocks, bs)
+        self.store = KVStore(self.specs, pools)
+        self.prompt_cache = (PromptCache(options.prompt_cache_bytes)
+                             if pools is None and options.prompt_cache_bytes > 0 else None)
+        self.scheduler = Scheduler(self.store, self.max_num_seqs, self.max_num_batched_tokens,
+                                   self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache)
+        self.paged = pools is not None
+        self.steps = 0
+
+    def _budget(self, options: EngineOptions, defaults: dict) -> int:
+        if options.kv_budget_bytes is not None:
+            return options.kv_budget_bytes
+        if self.device.type == "cuda":
+            fraction = options.gpu_memory_fraction or defaults["gpu_memory_fraction"]
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * fraction)
+        return defaults["kv_budget_bytes"]
+
+    # -- requests -----------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: object = None) -> list[Sequence]:
+        """Queue ``params.n`` sequences continuing ``prompt_ids``; raises
+        `OptionError` (`RequestTooLarge`) for what can never run."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = list(prompt_ids)
+        if not ids:
+            raise OptionError("the prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise OptionError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                              f"exceeds max_model_len ({self.max_model_len})")
+        seqs = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1 and params.seed is not None:  # n different continuations, still reproducible
+                p = SamplingParams(**{**vars(params), "seed": params.seed + i})
+            seq = Sequence(ids, p, self.tokenizer.eos_token_ids, self.tokenizer.detokenizer(), request_id)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return seqs
+
+    def abort(self, seq: Sequence) -> None:
+        """End ``seq`` now and free what it holds (call between steps)."""
+        self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> list[GenerationResponse]:
+        rows = self.scheduler.schedule()
+        if not rows:
+            return []
+        now = time.perf_counter()
+        for seq, _ in rows:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+        step = prepare_step(rows, self.device, self.blocks)
+        with torch.inference_mode():
+            hidden = self.model(step.input_ids, step.positions, self.store, step)
+            for r, (seq, n) in enumerate(rows):
+                if seq.prompt_logprobs is not None:
+                    self._score_prompt(seq, n, hidden[step.query_start_host[r] : step.query_start_host[r + 1]])
+            sampled = [rows[r][0] for r in step.sampling_rows]
+            tokens: list[int] = []
+            logits = None
+            if sampled:
+                logits = self.model.compute_logits(hidden[step.logits_rows]).float()
+                tokens = sample(logits, sampled)
+        self.steps += 1
+        for seq, n in rows:
+            seq.num_computed += n
+        outputs = []
+        for i, seq in enumerate(sampled):
+            logprob = None
+            if seq.params.logprobs is not None and seq.params.max_tokens > 0:
+                chosen = torch.tensor([tokens[i]], device=logits.device)
+                logprob = logprobs_of(logits[i : i + 1], chosen, seq.params.logprobs)[0]
+            outputs.append(self._append(seq, tokens[i], logprob))
+        return outputs
+
+    def _score_prompt(self, seq: Sequence, n: int, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this chunk predicts that are not scored
+        yet (a recompute after preemption scores nothing twice)."""
+        begin = seq.num_computed
+        first = max(begin, len(seq.prompt_logprobs))  # position whose logits predict token first + 1
+        last = min(begin + n, seq.num_prompt - 1)
+        if first >= last:
+            return
+        logits = self.model.compute_logits(hidden[first - begin : last - begin]).float()
+        targets = torch.tensor(seq.prompt_ids[first + 1 : last + 1], device=logits.device)
+        seq.prompt_logprobs += logprobs_of(logits, targets, seq.params.prompt_logprobs)
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> GenerationResponse:
+        """Add ``token`` to ``seq``; decide whether it ends it; the text it completes."""
+        first = seq.first_token_at is None
+        if first:
+            seq.first_token_at = time.perf_counter()
+        if seq.params.max_tokens == 0:  # score the prompt, generate nothing
+            self.scheduler.finish(seq, "length")
+            return self._response(seq, "", None, None, "length", first)
+        seq.output_ids.append(token)
+        finish = None
+        if token in seq.stop_ids:
+            text, finish = seq.stops.flush(), "stop"
+        else:
+            text, hit = seq.stops.feed(seq.detokenizer.add_token(token))
+            if hit:
+                finish = "stop"
+            elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
+                finish = "length"
+        if finish is not None:
+            self.scheduler.finish(seq, finish)
+        return self._response(seq, text, token, logprob, finish, first)
+
+    def _response(self, seq, text, token, logprob, finish, first) -> GenerationResponse:
+        now = time.perf_counter()
+        prefill_s = max(seq.first_token_at - seq.first_scheduled, 1e-9)
+        n_out = len(seq.output_ids)
+        return GenerationResponse(
+            text=text, token=token, logprob=logprob, finish_reason=finish,
+            prompt_tokens=seq.num_prompt, generation_tokens=n_out, cached_tokens=seq.num_cached,
+            prompt_tps=(seq.num_prompt - seq.num_cached) / prefill_s,
+            generation_tps=(n_out - 1) / (now - seq.first_token_at) if n_out > 1 else 0.0,
+            paged_kv=self.paged,
+            prompt_logprobs=seq.prompt_logprobs if first else None,
+            seq=seq,
+        )
+
+    # -- one request alone --------------------------------------------------
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[GenerationResponse]:
+        """Run one sequence to its end, yielding its responses. Closing the
+        iterator early aborts it."""
+        (seq,) = self.add_request(prompt_ids, _single(params))
+        try:
+            while not seq.is_finished:
+                for out in self.step():
+                    if out.seq is seq:
+                        yield out
+        finally:
+            self.abort(seq)
+
+    # -- figures ------------------------------------------------------------
+
+    def kv_usage(self) -> KVUsage:
+        running = self.scheduler.running
+        live = 0
+        for seq in running:
+            for per_token, spec in zip(self.bytes_per_token, self.specs):
+                live += per_token * (seq.num_computed if spec.window is None else min(seq.num_computed, spec.window))
+        rows = sum(self.store.row_bytes(seq.seq_id) for seq in running)
+        if self.blocks is not None:
+            per_block = self.store.pools.nbytes // self.blocks.num_blocks
+            return KVUsage(rows + self.blocks.num_used * per_block, live, self.store.pools.nbytes)
+        return KVUsage(rows, live, self.kv_budget_bytes)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+def _single(params: SamplingParams | None) -> SamplingParams:
+    params = params or SamplingParams()
+    if params.n != 1:
+        raise OptionError(f"one stream runs one sequence (got n={params.n})")
+    return params

@@ -1,0 +1,194 @@
+"""Which sequences run in the next step, and with how many new tokens: ``Scheduler``.
+
+Each step has a token budget (``max_num_batched_tokens``) and a row cap
+(``max_num_seqs``). Running sequences come first, in admission order: a
+decode row takes one token, a row still in its prompt takes the next chunk
+of it, so a long prompt is prefilled over several steps while the others
+keep decoding. Waiting sequences are then admitted in arrival order while
+budget, rows and KV room last.
+
+KV room: the default store reserves each sequence's projected bytes (prompt
+plus max_tokens) when it is admitted, so a running sequence never runs out.
+The paged store hands out blocks as tokens arrive; when none is left for a
+running row, the most recently admitted sequence is preempted (its blocks
+freed, itself put back at the front of the queue to be recomputed later)
+until the row fits. A request that could never fit is refused when added.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pagedlm.cache.kv import STEP
+from pagedlm.options import RequestTooLarge
+
+from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedlm.cache.prompt import PromptCache
+    from pagedlm.cache.store import KVStore
+
+    from .block_manager import BlockManager
+
+
+class Scheduler:
+    def __init__(
+        self,
+        store: "KVStore",
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_budget_bytes: int,
+        bytes_per_token: list[int],
+        blocks: "BlockManager | None" = None,
+        prompt_cache: "PromptCache | None" = None,
+    ) -> None:
+        self.store = store
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_budget_bytes = kv_budget_bytes
+        self.bytes_per_token = bytes_per_token  # per layer
+        self.blocks = blocks
+        self.prompt_cache = prompt_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.reserved_bytes = 0  # default store: projected bytes of the running sequences
+        self.num_preemptions = 0
+
+    # -- admission arithmetic ----------------------------------------------
+
+    def projected_bytes(self, seq: Sequence) -> int:
+        """Default store: the most KV bytes ``seq`` can hold (buffers grow by
+        STEP tokens; a sliding layer keeps its window plus one step's tokens)."""
+        grown = -(-seq.max_len // STEP) * STEP
+        total = 0
+        for per_token, spec in zip(self.bytes_per_token, self.store.specs):
+            if spec.window is None:
+                total += per_token * grown
+            else:
+                total += per_token * min(seq.max_len, spec.window + self.max_num_batched_tokens)
+        return total
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise `RequestTooLarge` for a sequence that could never run alone."""
+        if self.blocks is not None:
+            need = self.blocks.blocks_for(seq.max_len)
+            if need > self.blocks.num_blocks:
+                cap = self.blocks.num_blocks * self.blocks.block_size
+                raise RequestTooLarge(
+                    f"the request needs {seq.max_len} tokens of KV (prompt {seq.num_prompt} + max_tokens "
+                    f"{seq.params.max_tokens}); the paged pool holds {cap} tokens in all "
+                    f"(raise --kv-budget-bytes or lower max_tokens)")
+        else:
+            need = self.projected_bytes(seq)
+            if need > self.kv_budget_bytes:
+                raise RequestTooLarge(
+                    f"the request needs up to {need} bytes of KV (prompt {seq.num_prompt} + max_tokens "
+                    f"{seq.params.max_tokens}); the KV budget is {self.kv_budget_bytes} bytes "
+                    f"(raise --kv-budget-bytes or lower max_tokens)")
+
+    # -- the queue ----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's rows: (sequence, new tokens), running ones first."""
+        budget = self.max_num_batched_tokens
+        rows: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self.blocks is not None:
+                while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed + n):
+                    preempted = True
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # it preempted itself: it was the last running
+            rows.append((seq, n))
+            budget -= n
+            i += 1
+        # No admissions in a step that had to preempt: room is short already.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, n):
+                break
+            self.waiting.popleft()
+            self._attach(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)  # a prompt-cache hit shortens it
+            if self.blocks is not None:
+                self.blocks.allocate_slots(seq.seq_id, seq.num_computed + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            rows.append((seq, n))
+            budget -= n
+        return rows
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        if self.blocks is not None:
+            return self.blocks.can_allocate(self.blocks.missing(seq.seq_id, seq.num_computed + n))
+        need = self.projected_bytes(seq)
+        if self.reserved_bytes + need > self.kv_budget_bytes:
+            return False
+        self.reserved_bytes += need
+        return True
+
+    def _attach(self, seq: Sequence) -> None:
+        """Give an admitted sequence its storage: per-row caches (a prompt-cache
+        hit lends ones that already hold a prefix of its tokens)."""
+        caches = None
+        if self.prompt_cache is not None and seq.prompt_logprobs is None and seq.num_computed == 0:
+            caches, reused = self.prompt_cache.take(seq.tokens)
+            if caches is not None:
+                seq.num_computed = seq.num_cached = reused
+        self.store.add_row(seq.seq_id, caches)
+
+    def _detach(self, seq: Sequence, keep: bool) -> None:
+        """Release everything ``seq`` holds; with ``keep`` its caches go to the prompt cache."""
+        caches = self.store.pop_row(seq.seq_id)
+        if self.blocks is not None:
+            self.blocks.free(seq.seq_id)
+        else:
+            self.reserved_bytes -= self.projected_bytes(seq)
+        if keep and self.prompt_cache is not None:
+            self.prompt_cache.put(seq.tokens[: seq.num_computed], caches)
+        else:
+            for cache in caches:
+                if cache is not None:
+                    cache.dispose()
+
+    # -- state changes -------------------------------------------------------
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s storage and queue it first, to be recomputed from its tokens."""
+        self.running.remove(seq)
+        self._detach(seq, keep=False)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (``stop``, ``length`` or ``abort``) and release what it holds."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._detach(seq, keep=reason != "abort")
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.finish(seq, "abort")

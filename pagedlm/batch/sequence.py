@@ -1,0 +1,121 @@
+"""One request's continuation as the engine sees it: ``Sequence``."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedlm.options import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedlm.tokenizer import IncrementalDetokenizer
+
+TokenLogprob = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-k)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class StopMatcher:
+    """Holds back text that may be the start of a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was reached)."""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Sequence:
+    """Token ids, progress through them, sampling state, text state.
+
+    ``tokens`` is the prompt followed by the output; the first
+    ``num_computed`` of them have keys and values in the store. A step feeds
+    ``tokens[num_computed:num_computed + n]``; when that reaches the end, the
+    last position's logits give the next token. Preemption sets
+    ``num_computed`` back to 0: the sequence is recomputed from its tokens,
+    output included, and continues where it was.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
+                 detokenizer: "IncrementalDetokenizer | None", request_id: object = None) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed = 0
+        self.num_cached = 0  # prompt tokens whose keys came from a cache
+        self.finish_reason: str | None = None
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.detokenizer = detokenizer
+        self.stops = StopMatcher(params.stop)
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if params.temperature > 0:
+            # Drawn on the CPU so that a seed means the same on every device
+            # and whatever shares the batch.
+            self.generator = torch.Generator("cpu")
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+        self.arrival = time.perf_counter()
+        self.first_scheduled: float | None = None
+        self.first_token_at: float | None = None
+        self.preemptions = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens it may hold at most: its prompt plus max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed})")

@@ -1,0 +1,92 @@
+"""One forward pass's worth of work, flattened: ``StepBatch`` and ``prepare_step``.
+
+Every row (sequence) contributes its new tokens, one for a decode row, a
+chunk of its prompt for a prefill row; the model sees them concatenated as
+``T`` tokens and never pads. Which tokens belong to which row, where their
+keys go and which hidden states need logits are all in the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+    from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T] the new tokens of every row, row after row
+    positions: torch.Tensor  # [T] each token's position in its sequence
+    query_start: torch.Tensor  # [B + 1] row r's tokens are [query_start[r], query_start[r + 1])
+    seq_lens: torch.Tensor  # [B] keys of row r after this step
+    logits_rows: torch.Tensor  # [S] index into T of the last token of each row that samples
+    slot_mapping: torch.Tensor | None  # [T] paged store: pool slot of each new key/value
+    block_tables: torch.Tensor | None  # [B, W] paged store: each row's blocks, padded with -1
+    # Host copies, for the reference paths (no device reads per layer).
+    seq_ids: tuple[int, ...]
+    query_start_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    sampling_rows: tuple[int, ...]  # rows (indices into seq_ids) that sample a token
+    max_position: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_host[-1]
+
+
+def prepare_step(
+    rows: list[tuple["Sequence", int]],
+    device: torch.device,
+    blocks: "BlockManager | None" = None,
+) -> StepBatch:
+    """The step for ``rows``: (sequence, number of new tokens) in row order.
+
+    A row samples when its new tokens reach the end of its tokens (a decode
+    row, or the last chunk of a prompt); a row mid-prompt only stores keys.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    starts = [0]
+    lens: list[int] = []
+    sampling: list[int] = []
+    for r, (seq, n) in enumerate(rows):
+        begin = seq.num_computed
+        ids += seq.tokens[begin : begin + n]
+        positions += range(begin, begin + n)
+        starts.append(starts[-1] + n)
+        lens.append(begin + n)
+        if begin + n == seq.num_tokens:
+            sampling.append(r)
+    slot_mapping = block_tables = None
+    if blocks is not None:
+        tables = [blocks.tables[seq.seq_id] for seq, _ in rows]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([n for _, n in rows]))
+        bs = blocks.block_size
+        slot_mapping = (padded[row_of, pos // bs] * bs + pos % bs).to(device)
+        block_tables = padded.to(device)
+
+    def dev(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return StepBatch(
+        input_ids=dev(ids),
+        positions=dev(positions),
+        query_start=dev(starts),
+        seq_lens=dev(lens),
+        logits_rows=dev([starts[r + 1] - 1 for r in sampling]),
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_ids=tuple(seq.seq_id for seq, _ in rows),
+        query_start_host=tuple(starts),
+        seq_lens_host=tuple(lens),
+        sampling_rows=tuple(sampling),
+        max_position=max(lens) - 1,
+    )
