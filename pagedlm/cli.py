@@ -14,6 +14,9 @@ from typing import Sequence
 from . import options as opt
 
 
+CHAT_PROMPT_CACHE_BYTES = 1 << 62  # one conversation: keep all of it
+
+
 class CliError(Exception):
     """A one-line error for the user."""
 
@@ -29,11 +32,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
 
 
-def _add_paged_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged-kv", action=argparse.BooleanOptionalAction, default=None,
                    help=f"page full-attention KV caches (env {opt.PAGED_KV_ENV}=1|0; default off)")
     p.add_argument("--paged-kv-block-size", default=None, metavar="N",
                    help=f"tokens per KV block (default {opt.DEFAULT_BLOCK_SIZE})")
+    for row in opt.ENGINE_FLAGS:
+        p.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
+                       help=f"{row.help} (env {row.env})")
+
+
+def _engine_options(args, **fixed) -> opt.EngineOptions:
+    flags = {name: getattr(args, name) for name in
+             ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]}
+    return opt.resolve_engine_options(flags, device=opt.resolve_device(args.device), **fixed)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")
     _add_model_args(g)
     _add_sampling_args(g)
-    _add_paged_args(g)
+    _add_engine_args(g)
     g.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("prompt", help="the prompt; - reads standard input")
@@ -61,21 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat that keeps the conversation's KV cache")
     _add_model_args(c)
     _add_sampling_args(c)
-    _add_paged_args(c)
+    _add_engine_args(c)
     c.add_argument("--system", default=None, help="system message")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     for row in opt.SERVER_FLAGS:
         s.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
                        help=f"{row.help} (env {row.env})")
-    _add_paged_args(s)
+    _add_engine_args(s)
 
     b = sub.add_parser("bench", help="measure speed")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     d = bsub.add_parser("decode", help="batch-1 prefill and decode tok/s "
                         "(with --paged-kv: paged and default caches, interleaved)")
     _add_model_args(d)
-    _add_paged_args(d)
+    _add_engine_args(d)
     d.add_argument("--prompt-len", type=int, nargs="+", default=[256], help="one or more prompt lengths")
     d.add_argument("--gen-len", type=int, default=64)
     d.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
@@ -89,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling_options(args, paged: opt.PagedKvOptions | None) -> opt.GenerateOptions:
-    options = opt.GenerateOptions(
+def _sampling_options(args) -> opt.SamplingParams:
+    options = opt.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, paged_kv=paged,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
     options.validate()
     return options
@@ -107,21 +119,22 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-    from .generate import stream_generate
+    from .batch.engine import LLMEngine
 
-    paged = opt.resolve_paged_kv(args.paged_kv, args.paged_kv_block_size)
-    options = _sampling_options(args, paged)
+    engine_options = _engine_options(args)
+    options = _sampling_options(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("pagedlm generate: the prompt is empty")
     model, tokenizer = _load(args)
+    engine = LLMEngine(model, tokenizer, engine_options)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         ids = tokenizer.encode_chat(messages + [{"role": "user", "content": prompt}])
     else:
         ids = tokenizer.encode(prompt)
     last = None
-    for last in stream_generate(model, tokenizer, ids, options):
+    for last in engine.stream(ids, options):
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -142,14 +155,14 @@ def _print_stats(r) -> None:
 
 
 def cmd_chat(args) -> int:
-    from .cache.prompt import PromptCache
-    from .generate import make_cache, stream_generate
+    from .batch.engine import LLMEngine
 
-    paged = opt.resolve_paged_kv(args.paged_kv, args.paged_kv_block_size)
-    options = _sampling_options(args, paged)
+    # The default store keeps the conversation's KV between turns (the prompt
+    # cache); paged turns re-prefill until block-level prefix sharing lands.
+    engine_options = _engine_options(args, prompt_cache_bytes=CHAT_PROMPT_CACHE_BYTES)
+    options = _sampling_options(args)
     model, tokenizer = _load(args)
-    # One entry: the conversation so far. Paged turns re-prefill (no reuse in v1).
-    kept = PromptCache(max_bytes=0 if paged else 1 << 62)
+    engine = LLMEngine(model, tokenizer, engine_options)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; Ctrl-D or /exit quits, /reset starts over.", file=sys.stderr)
     while True:
@@ -162,44 +175,36 @@ def cmd_chat(args) -> int:
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if args.system else []
-            kept = PromptCache(max_bytes=0 if paged else 1 << 62)
             continue
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
         ids = tokenizer.encode_chat(messages)
-        cache, _ = kept.take(ids)
-        cache = cache or make_cache(model)
-        reply, tokens, last = [], [], None
-        for last in stream_generate(model, tokenizer, ids, options, cache=cache):
+        reply, last = [], None
+        for last in engine.stream(ids, options):
             sys.stdout.write(last.text)
             sys.stdout.flush()
             reply.append(last.text)
-            tokens.append(last.token)
         sys.stdout.write("\n")
         sys.stdout.flush()
         _print_stats(last)
         messages.append({"role": "assistant", "content": "".join(reply)})
-        if not paged:
-            kept.put(ids + tokens[:-1], cache)
 
 
 def cmd_serve(args) -> int:
     from .server import run
 
     flags = {row.name: getattr(args, row.name) for row in opt.SERVER_FLAGS}
-    flags["paged_kv"] = args.paged_kv
-    flags["paged_kv_block_size"] = args.paged_kv_block_size
+    for name in ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]:
+        flags[name] = getattr(args, name)
     options = opt.ServerOptions.resolve(flags)
-    opt.resolve_device(options.device)
     return run(options) or 0
 
 
 def cmd_bench(args) -> int:
     from .bench.decode import run_decode_bench
 
-    paged = opt.resolve_paged_kv(args.paged_kv, args.paged_kv_block_size)
-    return run_decode_bench(args, paged)
+    return run_decode_bench(args, _engine_options(args))
 
 
 def cmd_models(args) -> int:

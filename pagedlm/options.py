@@ -279,10 +279,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
 def resolve_engine_options(
     flags: Mapping[str, object],
     environ: Mapping[str, str] | None = None,
+    device: str | None = None,
     **fixed: object,
 ) -> EngineOptions:
     """Explicit flag > environment variable > the device default (applied by
     the engine). ``flags`` also carries ``paged_kv`` / ``paged_kv_block_size``;
+    ``device`` (resolved) lets device refusals fire before a model loads;
     ``fixed`` sets fields that have no flag here (max_model_len, prompt cache)."""
     env = os.environ if environ is None else environ
     values: dict[str, object] = {}
@@ -292,7 +294,7 @@ def resolve_engine_options(
             value = env[row.env]
         if value is not None:
             values[row.name] = row.parse(value)
-    check_refusals(values)
+    check_refusals({**values, "device": device})
     paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env)
     return EngineOptions(paged_kv=paged, **values, **fixed)
 
@@ -337,7 +339,7 @@ SERVER_FLAGS: tuple[ServerFlag, ...] = (
                lambda t: _nonneg_int(t, "--prompt-cache-bytes"),
                "bytes of KV the prompt cache may keep (0 turns it off)"),
     ServerFlag("max_queue", "PAGEDLM_MAX_QUEUE", lambda t: _nonneg_int(t, "--max-queue"),
-               "requests that may wait behind the running one; past it, 503"),
+               "requests that may wait for the engine to admit them; past it, 503"),
     ServerFlag("api_key", "PAGEDLM_API_KEY", str, "require Authorization: Bearer KEY"),
     ServerFlag("max_model_len", "PAGEDLM_MAX_MODEL_LEN",
                lambda t: positive_int(t, "--max-model-len"),
@@ -353,10 +355,14 @@ class ServerOptions:
     device: str = "auto"
     dtype: str = "auto"
     prompt_cache_bytes: int = 2 * 1024**3
-    max_queue: int = 16
+    max_queue: int = 256
     api_key: str | None = None
     max_model_len: int | None = None
-    paged_kv: PagedKvOptions | None = None
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    @property
+    def paged_kv(self) -> PagedKvOptions | None:
+        return self.engine.paged_kv
 
     @classmethod
     def resolve(
@@ -373,7 +379,7 @@ class ServerOptions:
                 value = env[row.env]
             if value is not None:
                 setattr(opts, row.name, row.parse(value))
-        opts.paged_kv = resolve_paged_kv(
-            flags.get("paged_kv"), flags.get("paged_kv_block_size"), env
-        )
+        opts.engine = resolve_engine_options(flags, env, resolve_device(opts.device),
+                                             max_model_len=opts.max_model_len,
+                                             prompt_cache_bytes=opts.prompt_cache_bytes)
         return opts

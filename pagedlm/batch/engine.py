@@ -224,6 +224,9 @@ class LLMEngine:
             elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
                 finish = "length"
+        seq.text += text
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if finish is not None:
             self.scheduler.finish(seq, finish)
         return self._response(seq, text, token, logprob, finish, first)

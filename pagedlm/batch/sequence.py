@@ -80,6 +80,8 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.detokenizer = detokenizer
         self.stops = StopMatcher(params.stop)
+        self.text = ""  # everything emitted so far
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.temperature > 0:

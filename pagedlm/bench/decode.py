@@ -8,6 +8,7 @@ even on a noisy machine: the default cache always; the paged cache with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -86,14 +87,15 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
     return model, _SyntheticTokenizer(config["vocab_size"])
 
 
-def _ours(model, tokenizer, paged: opt.PagedKvOptions | None, gen_len: int) -> Callable:
-    from ..generate import stream_generate
+def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> Callable:
+    from ..batch.engine import LLMEngine
 
-    options = opt.GenerateOptions(max_tokens=gen_len, ignore_eos=True, paged_kv=paged)
+    engine = LLMEngine(model, tokenizer, engine_options)
+    options = opt.SamplingParams(max_tokens=gen_len, ignore_eos=True)
 
     def run(ids: list[int]) -> tuple[float, float]:
         last = None
-        for last in stream_generate(model, tokenizer, ids, options):
+        for last in engine.stream(ids, options):
             pass
         return last.prompt_tps, last.generation_tps
 
@@ -127,7 +129,7 @@ def _hf(folder, device: str, dtype: torch.dtype, gen_len: int) -> Callable:
     return run
 
 
-def run_decode_bench(args, paged: opt.PagedKvOptions | None) -> int:
+def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     from ..loading import load, resolve
 
     device = opt.resolve_device(args.device)
@@ -143,9 +145,11 @@ def run_decode_bench(args, paged: opt.PagedKvOptions | None) -> int:
         model, tokenizer = load_random(spec, device, dtype)
     else:
         model, tokenizer = load(spec, device, dtype)
-    runners: dict[str, Callable] = {"default": _ours(model, tokenizer, None, args.gen_len)}
+    paged = engine_options.paged_kv
+    default = dataclasses.replace(engine_options, paged_kv=None)
+    runners: dict[str, Callable] = {"default": _ours(model, tokenizer, default, args.gen_len)}
     if paged is not None:
-        runners["paged"] = _ours(model, tokenizer, paged, args.gen_len)
+        runners["paged"] = _ours(model, tokenizer, engine_options, args.gen_len)
     if args.against == "hf":
         runners["hf"] = _hf(resolve(spec), device, dtype, args.gen_len)
 
