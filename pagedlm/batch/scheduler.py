@@ -57,40 +57,37 @@ class Scheduler:
 
     # -- admission arithmetic ----------------------------------------------
 
-    def projected_bytes(self, seq: Sequence) -> int:
-        """Default store: the most KV bytes ``seq`` can hold (buffers grow by
-        STEP tokens; a sliding layer keeps its window plus one step's tokens)."""
-        grown = -(-seq.max_len // STEP) * STEP
+    def projected_bytes(self, max_len: int) -> int:
+        """Default store: the most KV bytes a sequence of up to ``max_len``
+        tokens holds (buffers grow by STEP tokens; a sliding layer keeps its
+        window plus one step's tokens)."""
+        grown = -(-max_len // STEP) * STEP
         total = 0
         for per_token, spec in zip(self.bytes_per_token, self.store.specs):
             if spec.window is None:
                 total += per_token * grown
             else:
-                total += per_token * min(seq.max_len, spec.window + self.max_num_batched_tokens)
+                total += per_token * min(max_len, spec.window + self.max_num_batched_tokens)
         return total
 
-    def check_fits(self, seq: Sequence) -> None:
-        """Raise `RequestTooLarge` for a sequence that could never run alone."""
+    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Raise `RequestTooLarge` for a sequence that could never run alone.
+        (The paged pool holds one sequence of max_model_len at least: the
+        engine refuses to start otherwise, and longer requests are refused
+        before they get here.)"""
         if self.blocks is not None:
-            need = self.blocks.blocks_for(seq.max_len)
-            if need > self.blocks.num_blocks:
-                cap = self.blocks.num_blocks * self.blocks.block_size
-                raise RequestTooLarge(
-                    f"the request needs {seq.max_len} tokens of KV (prompt {seq.num_prompt} + max_tokens "
-                    f"{seq.params.max_tokens}); the paged pool holds {cap} tokens in all "
-                    f"(raise --kv-budget-bytes or lower max_tokens)")
-        else:
-            need = self.projected_bytes(seq)
-            if need > self.kv_budget_bytes:
-                raise RequestTooLarge(
-                    f"the request needs up to {need} bytes of KV (prompt {seq.num_prompt} + max_tokens "
-                    f"{seq.params.max_tokens}); the KV budget is {self.kv_budget_bytes} bytes "
-                    f"(raise --kv-budget-bytes or lower max_tokens)")
+            return
+        need = self.projected_bytes(num_prompt + max_tokens)
+        if need > self.kv_budget_bytes:
+            raise RequestTooLarge(
+                f"the request needs up to {need} bytes of KV (prompt {num_prompt} + max_tokens "
+                f"{max_tokens}); the KV budget is {self.kv_budget_bytes} bytes "
+                f"(raise --kv-budget-bytes or lower max_tokens)")
 
     # -- the queue ----------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(seq)
+        self.check_fits(seq.num_prompt, seq.params.max_tokens)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -137,7 +134,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int) -> bool:
         if self.blocks is not None:
             return self.blocks.can_allocate(self.blocks.missing(seq.seq_id, seq.num_computed + n))
-        need = self.projected_bytes(seq)
+        need = self.projected_bytes(seq.max_len)
         if self.reserved_bytes + need > self.kv_budget_bytes:
             return False
         self.reserved_bytes += need
@@ -159,7 +156,7 @@ class Scheduler:
         if self.blocks is not None:
             self.blocks.free(seq.seq_id)
         else:
-            self.reserved_bytes -= self.projected_bytes(seq)
+            self.reserved_bytes -= self.projected_bytes(seq.max_len)
         if keep and self.prompt_cache is not None:
             self.prompt_cache.put(seq.tokens[: seq.num_computed], caches)
         else:

@@ -1,9 +1,9 @@
 """The FastAPI app: routes, authentication, body limits, errors, streaming.
 
 Both generation endpoints run one path (`_generate`): parse the body into
-the endpoint's pydantic request, let the engine check and tokenize it into a
+the endpoint's pydantic request, let the planner check and tokenize it into a
 `Plan` (every bad input is an `APIError` here, before anything queues),
-queue it on the serial lane, then answer whole or as server-sent events.
+hand it to the engine loop, then answer whole or as server-sent events.
 Every error leaves as OpenAI's ``{"error": {...}}`` body, never a traceback.
 """
 
@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import time
-from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,7 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .lane import Job, QueueFull, SerialLane
+from pagedlm.options import OptionError
+
+from .loop import EngineLoop, Job, QueueFull
 from .metrics import Metrics, outcome_of
 from .protocol import APIError, ChatRequest, CompletionRequest, ModelCard, ModelList, parse
 from .responses import ChatShape, CompletionShape, Shape
@@ -58,7 +59,15 @@ async def read_body(request: Request) -> bytes:
     return bytes(body)
 
 
-def build_app(engine: "Engine", lane: SerialLane, metrics: Metrics, options: "ServerOptions") -> FastAPI:
+def _failure(e: Exception) -> APIError:
+    """What a request hears when its generation failed: a request the engine
+    refused (e.g. more KV than the budget holds) is the client's 400."""
+    if isinstance(e, OptionError):
+        return APIError(400, str(e), code="invalid_request")
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "ServerOptions") -> FastAPI:
     app = FastAPI(title="pagedlm", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(time.time())
 
@@ -129,7 +138,7 @@ def build_app(engine: "Engine", lane: SerialLane, metrics: Metrics, options: "Se
         # Parsing and tokenizing a large body takes a while: off the event loop.
         plan = await run_in_threadpool(lambda: plan_of(parse(request_model, body)))
         try:
-            job = lane.submit(partial(engine.run, plan))
+            job = lane.submit(plan)
         except QueueFull as e:
             raise APIError(503, str(e), type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -142,8 +151,9 @@ def build_app(engine: "Engine", lane: SerialLane, metrics: Metrics, options: "Se
             async for index, resp in job.events(request.is_disconnected):
                 shape.add(index, resp)
         except Exception as e:
-            log.exception("generation failed")
-            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+            if not isinstance(e, OptionError):
+                log.exception("generation failed")
+            raise _failure(e) from None
         if not shape.finished:  # the client went away; nobody reads this
             metrics.record(endpoint, "cancelled")
             return Response(status_code=499)
@@ -163,10 +173,11 @@ def build_app(engine: "Engine", lane: SerialLane, metrics: Metrics, options: "Se
                 yield _sse("[DONE]")
                 outcome = "ok"
         except Exception as e:
-            outcome = "error"
-            log.exception("generation failed mid-stream")
-            yield _sse(APIError(500, f"generation failed: {type(e).__name__}: {e}",
-                                type="server_error").body())
+            err = _failure(e)
+            outcome = outcome_of(err.status)
+            if err.status >= 500:
+                log.exception("generation failed mid-stream")
+            yield _sse(err.body())
             yield _sse("[DONE]")
         finally:
             metrics.record(endpoint, outcome)

@@ -1,6 +1,7 @@
-"""What the server does with a request: check and tokenize it (on the event
-loop, so that bad input is refused before it queues), then run it on the
-serial lane's thread with the prompt cache around ``stream_generate``.
+"""The server's request planning: check and tokenize a request into a `Plan`
+(one prompt and `SamplingParams` per choice) before it queues, so that bad
+input is refused with a 4xx and never reaches the engine. Running the plan
+is the engine loop's business (``loop.EngineLoop``).
 
 Chat and completions share everything below: each endpoint only says how its
 request becomes prompts and options (``plan_chat`` / ``plan_completion``).
@@ -10,30 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from pagedlm.cache.base import Cache
-from pagedlm.cache.prompt import PromptCache, dispose
-from pagedlm.generate import make_cache, stream_generate
-from pagedlm.options import GenerateOptions, OptionError, PagedKvOptions
+from pagedlm.options import OptionError, SamplingParams
 
 from .protocol import APIError, ChatRequest, CompletionRequest, _GenerationRequest
 
 if TYPE_CHECKING:
-    from pagedlm.tokenizer import Tokenizer
-
-    from .lane import Job
-    from .metrics import Metrics
+    from pagedlm.batch.engine import LLMEngine
 
 log = logging.getLogger("pagedlm.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
 MAX_STOP_STRINGS = 16
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+MAX_N = 16
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -41,32 +35,23 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 class Plan:
     """A checked, tokenized request: one prompt (and options) per choice."""
 
-    prompts: list[list[int]]
-    options: list[GenerateOptions]
+    prompts: list[list[int]]  # one per choice: a prompt repeated n times for n > 1
+    options: list[SamplingParams]
     stream: bool
     include_usage: bool
     paged: bool
-    echo_texts: list[str] | None = None  # completions with echo: each prompt's text
+    echo_texts: list[str] | None = None  # completions with echo: each choice's prompt text
 
 
 class Engine:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: "Tokenizer",
-        model_id: str,
-        max_model_len: int,
-        prompt_cache: PromptCache,
-        paged_kv: PagedKvOptions | None,
-        metrics: "Metrics",
-    ) -> None:
-        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.max_model_len = max_model_len
-        self.prompt_cache = prompt_cache
-        self.paged_kv = paged_kv
-        self.metrics = metrics
-        self.vocab_size = getattr(model.args, "vocab_size", None) or tokenizer.vocab_size
-        self.live: list[Cache] | None = None  # the running request's caches, for metrics
+    """Request planning over an `LLMEngine` (it reads the model's limits, it runs nothing)."""
+
+    def __init__(self, llm: "LLMEngine", model_id: str) -> None:
+        self.llm = llm
+        self.tokenizer, self.model_id = llm.tokenizer, model_id
+        self.max_model_len = llm.max_model_len
+        self.paged = llm.paged
+        self.vocab_size = getattr(llm.model.args, "vocab_size", None) or self.tokenizer.vocab_size
 
     # -- planning (event loop) -------------------------------------------
 
@@ -95,16 +80,11 @@ class Engine:
         if req.model is not None and req.model != self.model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                            f"{self.model_id!r}", param="model", code="model_not_found")
-        if req.n is not None and req.n != 1:
-            raise APIError(400, f"n must be 1 (got {req.n}): one sequence per request until "
-                           "batching lands", param="n", code="unsupported_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (use repetition_penalty)",
-                               param=name, code="unsupported_value")
+        if req.n is not None and not 1 <= req.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}] (got {req.n})", param="n")
 
     def _options(self, req: _GenerationRequest, logprobs: int | None,
-                 prompt_logprobs: int | None, rename: dict[str, str] | None = None) -> GenerateOptions:
+                 prompt_logprobs: int | None, rename: dict[str, str] | None = None) -> SamplingParams:
         """The request's sampling options; unset fields keep the engine's defaults."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
@@ -112,10 +92,9 @@ class Engine:
         given = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
         if given.get("top_k") == -1:
             given["top_k"] = 0
-        options = GenerateOptions(
+        options = SamplingParams(
             max_tokens=1,  # resolved per prompt in _plan
-            stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs, paged_kv=self.paged_kv,
-            **given,
+            stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given,
         )
         try:
             options.validate()
@@ -130,7 +109,8 @@ class Engine:
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{max_param} must be >= 1 (got {max_tokens})", param=max_param)
         limit = self.max_model_len
-        per_prompt = []
+        n = req.n or 1
+        choices, per_choice = [], []
         for ids in prompts:
             room = limit - len(ids)
             if room < 1:
@@ -142,11 +122,19 @@ class Engine:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) plus {max_param} ({max_tokens}) "
                                f"exceeds this model's context length of {limit} tokens",
                                param=max_param, code="context_length_exceeded")
-            n = max_tokens if max_tokens is not None else min(room, default_max or room)
-            per_prompt.append(dataclasses.replace(options, max_tokens=n))
+            budget = max_tokens if max_tokens is not None else min(room, default_max or room)
+            try:
+                self.llm.scheduler.check_fits(len(ids), budget)
+            except OptionError as e:
+                raise APIError(400, str(e), param=max_param, code="kv_budget_exceeded") from None
+            for j in range(n):  # OpenAI's choice order: prompt by prompt, n each
+                seed = options.seed + j if options.seed is not None and n > 1 else options.seed
+                choices.append(ids)
+                per_choice.append(dataclasses.replace(options, max_tokens=budget, seed=seed))
         stream = bool(req.stream)
         include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
-        return Plan(prompts, per_prompt, stream, include_usage, self.paged_kv is not None, echo_texts)
+        echo = [t for t in echo_texts for _ in range(n)] if echo_texts is not None else None
+        return Plan(choices, per_choice, stream, include_usage, self.paged, echo)
 
     def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
         """Token ids and text of each prompt in a completion request."""
@@ -195,52 +183,3 @@ class Engine:
         if not ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
         return ids
-
-    # -- running (lane thread) -------------------------------------------
-
-    def run(self, plan: Plan, job: "Job") -> None:
-        for index, (ids, options) in enumerate(zip(plan.prompts, plan.options)):
-            if job.cancelled:
-                return
-            self._run_one(index, ids, options, job)
-
-    def _run_one(self, index: int, ids: list[int], options: GenerateOptions, job: "Job") -> None:
-        """One choice. The prompt cache lends a cache holding a prefix of the
-        prompt; afterwards the cache (prompt + generated[:-1]) goes back into
-        it. Paged requests and prompt-logprob requests bypass it (a paged
-        cache is disposed by stream_generate; prompt logprobs need a full
-        prefill)."""
-        bypass = (options.paged_kv is not None or options.prompt_logprobs is not None
-                  or self.prompt_cache.max_bytes == 0)
-        cache, reused = (None, 0) if bypass else self.prompt_cache.take(ids)
-        cache = cache or make_cache(self.model)
-        self.live = cache
-        tokens: list[int] = []
-        finished = False
-        start = job.created if index == 0 else time.perf_counter()
-        last = start
-        steps = stream_generate(self.model, self.tokenizer, ids, options, cache=cache)
-        try:
-            for resp in steps:
-                now = time.perf_counter()
-                (self.metrics.ttft if not tokens else self.metrics.itl).observe(now - last)
-                last = now
-                tokens.append(resp.token)
-                job.emit((index, resp))
-                if resp.finish_reason is not None:
-                    finished = True
-                    break
-                if job.cancelled:
-                    break
-        finally:
-            steps.close()  # its finally disposes what it owns (paged caches)
-            self.live = None
-            self.metrics.prompt_tokens.inc(len(ids))
-            self.metrics.generation_tokens.inc(len(tokens))
-            if finished and not bypass:
-                self.prompt_cache.put(ids + tokens[:-1], cache)
-            else:
-                dispose(cache)
-        log.info("choice %d: prompt %d tokens (%d reused), %d generated, %s%s", index, len(ids),
-                 reused, len(tokens), "finished" if finished else "cancelled",
-                 ", paged KV" if options.paged_kv else "")

@@ -1,6 +1,6 @@
 """Prometheus metrics for ``GET /metrics``.
 
-Counters and histograms are updated where things happen (the lane thread
+Counters and histograms are updated where things happen (the engine loop
 observes token latencies; the request path counts outcomes). Gauges that
 describe state (queue depth, KV bytes, paged blocks, prompt-cache counters)
 are read at scrape time from the objects that own that state, so there is
@@ -16,8 +16,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .lane import SerialLane
+    from pagedlm.batch.engine import LLMEngine
+
+    from .loop import EngineLoop
 
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("ok", "cancelled", "invalid", "unauthorized", "rejected", "error")
@@ -36,8 +37,8 @@ def outcome_of(status: int) -> str:
 
 
 def _safe(read: Callable[[], float]) -> float:
-    # State is read from the event loop while the lane thread changes it; a
-    # cache disposed mid-read counts as empty rather than failing the scrape.
+    # State is read from the event loop while the engine thread changes it; a
+    # value that changes mid-read counts as 0 rather than failing the scrape.
     try:
         return float(read())
     except Exception:
@@ -47,42 +48,44 @@ def _safe(read: Callable[[], float]) -> float:
 class _StateCollector(Collector):
     """Values owned by the engine, read at scrape time."""
 
-    def __init__(self, engine: "Engine", lane: "SerialLane") -> None:
-        self.engine, self.lane = engine, lane
+    def __init__(self, engine: "LLMEngine", loop: "EngineLoop") -> None:
+        self.engine, self.loop = engine, loop
 
     def collect(self) -> Iterable:
-        engine, pc = self.engine, self.engine.prompt_cache
-        yield GaugeMetricFamily("pagedlm_queue_depth", "Requests waiting behind the running one",
-                                value=self.lane.depth)
-        yield GaugeMetricFamily("pagedlm_running", "Generations running (0 or 1)",
-                                value=int(self.lane.busy))
-        live = _safe(lambda: sum(c.nbytes for c in engine.live or ()))
-        kv = GaugeMetricFamily("pagedlm_kv_bytes", "Bytes of KV cache in use", labels=["holder"])
-        kv.add_metric(["running"], live)
-        kv.add_metric(["prompt_cache"], pc.nbytes)
+        engine = self.engine
+        yield GaugeMetricFamily("pagedlm_queue_depth", "Sequences waiting to be admitted",
+                                value=_safe(lambda: self.loop.depth))
+        yield GaugeMetricFamily("pagedlm_running", "Sequences running in the engine",
+                                value=_safe(lambda: self.loop.running))
+        yield CounterMetricFamily("pagedlm_preemptions", "Sequences preempted for KV room (recomputed later)",
+                                  value=engine.num_preemptions)
+        usage = _safe_usage(engine)
+        kv = GaugeMetricFamily("pagedlm_kv_bytes", "Bytes of KV cache", labels=["holder"])
+        kv.add_metric(["running"], usage[0])
+        kv.add_metric(["live_tokens"], usage[1])
+        pc = engine.prompt_cache
+        kv.add_metric(["prompt_cache"], pc.nbytes if pc is not None else 0)
         yield kv
-        yield GaugeMetricFamily("pagedlm_prompt_cache_entries", "Entries in the prompt cache",
-                                value=len(pc))
-        yield CounterMetricFamily("pagedlm_prompt_cache_hits", "Prompt-cache lookups that reused a prefix",
-                                  value=pc.hits)
-        yield CounterMetricFamily("pagedlm_prompt_cache_misses", "Prompt-cache lookups that found nothing to reuse",
-                                  value=pc.misses)
-        if engine.paged_kv is not None:
-            used, free = _paged_blocks(engine.live or ())
-            yield GaugeMetricFamily("pagedlm_paged_kv_blocks_in_use", "KV blocks held by the running request",
-                                    value=used)
-            yield GaugeMetricFamily("pagedlm_paged_kv_blocks_free", "Free KV blocks in the running request's pools",
-                                    value=free)
+        if pc is not None:
+            yield GaugeMetricFamily("pagedlm_prompt_cache_entries", "Entries in the prompt cache",
+                                    value=len(pc))
+            yield CounterMetricFamily("pagedlm_prompt_cache_hits", "Prompt-cache lookups that reused a prefix",
+                                      value=pc.hits)
+            yield CounterMetricFamily("pagedlm_prompt_cache_misses",
+                                      "Prompt-cache lookups that found nothing to reuse", value=pc.misses)
+        if engine.blocks is not None:
+            yield GaugeMetricFamily("pagedlm_paged_kv_blocks_in_use", "KV blocks held by live sequences",
+                                    value=engine.blocks.num_used)
+            yield GaugeMetricFamily("pagedlm_paged_kv_blocks_free", "Free KV blocks in the shared pool",
+                                    value=engine.blocks.num_free)
 
 
-def _paged_blocks(cache) -> tuple[float, float]:
-    used = free = 0.0
-    for layer_cache in list(cache):
-        table, pool = getattr(layer_cache, "block_table", None), getattr(layer_cache, "pool", None)
-        if table is not None and pool is not None:
-            used += _safe(lambda: len(table))
-            free += _safe(lambda: pool.num_free)
-    return used, free
+def _safe_usage(engine: "LLMEngine") -> tuple[float, float]:
+    try:
+        usage = engine.kv_usage()
+        return float(usage.allocated), float(usage.live)
+    except Exception:  # the running list changed under the read
+        return 0.0, 0.0
 
 
 class Metrics:
@@ -107,9 +110,9 @@ class Metrics:
         self.itl = Histogram("pagedlm_inter_token_latency_seconds", "Between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
 
-    def bind(self, engine: "Engine", lane: "SerialLane") -> None:
-        """Export the state gauges of ``engine`` and ``lane``."""
-        self.registry.register(_StateCollector(engine, lane))
+    def bind(self, engine: "LLMEngine", loop: "EngineLoop") -> None:
+        """Export the state gauges of ``engine`` and its ``loop``."""
+        self.registry.register(_StateCollector(engine, loop))
 
     def record(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 import transformers  # test-only oracle
 
+from pagedlm.batch.solo import Solo
 from pagedlm.kernels import cpu
 from pagedlm.models import build_model
 from pagedlm.models.layers import rope_inv_freq
@@ -132,18 +133,18 @@ def run_ours(model, prompt: list[int], chunks: list[int] | None, n_new: int):
     """Greedy-decode incrementally: the prompt in ``chunks`` (sizes; None = all
     at once), then one token per step. Returns (new tokens, logits of every
     position fed, [L, V])."""
-    cache = model.make_cache()
+    solo = Solo(model)
     sizes = chunks or [len(prompt)]
     assert sum(sizes) == len(prompt)
     logits, start = [], 0
     for size in sizes:
-        logits.append(model(torch.tensor([prompt[start : start + size]]), cache)[0])
+        logits.append(solo(prompt[start : start + size]))
         start += size
     tokens = []
     for _ in range(n_new):
         tokens.append(int(logits[-1][-1].argmax()))
         if len(tokens) < n_new:
-            logits.append(model(torch.tensor([[tokens[-1]]]), cache)[0])
+            logits.append(solo([tokens[-1]]))
     return tokens, torch.cat(logits)
 
 
@@ -165,14 +166,11 @@ CASES = {
 def test_full_sequence_logits_match_transformers(pair):
     family, hf, ours = pair
     ids = torch.tensor([[(11 * i + 5) % VOCAB for i in range(40)]])
-    expected = hf(ids).logits
-    got = ours(ids, ours.make_cache())
+    expected = hf(ids).logits[0]
+    got = Solo(ours)(ids[0])
     assert got.shape == expected.shape
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-    last = ours(ids, ours.make_cache(), last_only=True)
-    assert last.shape == (1, 1, VOCAB)
-    torch.testing.assert_close(last, expected[:, -1:], atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
@@ -193,8 +191,8 @@ def test_bfloat16_logits_bit_identical_to_transformers(pair):
         module, attr = name.rsplit(".", 1)
         setattr(hf.get_submodule(module), attr, buffer)
     ids = torch.tensor([[(11 * i + 5) % VOCAB for i in range(40)]])
-    expected = hf(ids).logits
-    got = ours(ids, ours.make_cache())
+    expected = hf(ids).logits[0]
+    got = Solo(ours)(ids[0])
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 

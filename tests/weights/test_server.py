@@ -1,9 +1,11 @@
 """`pagedlm serve` end to end: real servers on free loopback ports, real models,
 the official `openai` client for the happy paths, raw httpx for bad input.
 
-Server A: smollm2-135m-instruct with an API key, --max-queue 1 and
+Server A: smollm2-135m-instruct with an API key, --max-queue 1,
+--max-num-seqs 1 (one running sequence, so that the queue fills) and
 --max-model-len 512. Server B: the default model (gemma3-270m) with
---paged-kv. Generations are kept short: the CI box has two cores.
+--paged-kv, batching freely. Generations are kept short: the CI box has two
+cores.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _start(*args: str, timeout: float = 180.0):
 
 @pytest.fixture(scope="module")
 def a():
-    yield from _start("--model", SMOLLM, "--api-key", KEY, "--max-queue", "1",
+    yield from _start("--model", SMOLLM, "--api-key", KEY, "--max-queue", "1", "--max-num-seqs", "1",
                       "--max-model-len", str(MAX_MODEL_LEN))
 
 
@@ -240,7 +242,7 @@ def test_multi_turn_chat_reuses_the_previous_turn(a, client):
 
 
 # ---------------------------------------------------------------------------
-# The serial lane: disconnects and the bounded queue
+# The engine loop: disconnects and the bounded queue
 
 
 def _long_stream(http: httpx.Client):
@@ -348,8 +350,11 @@ BAD = {
     "top_logprobs above 20": ("/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                                "top_logprobs": 30}, 400, "top_logprobs"),
-    "n 2": ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    "presence penalty": ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    "n 17": ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    "n 0": ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    "presence penalty 3": ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    "frequency penalty -3": ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400,
+                             "frequency_penalty"),
     "seed too large": ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
     "too many stops": ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
     "oversized body": ("/v1/completions", b"x" * (MAX_BODY_BYTES + 1), 413, None),
@@ -415,22 +420,74 @@ def test_default_model_paged_completion_bypasses_the_prompt_cache(b):
     again = c.completions.create(**kw)
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens == 0
-    assert metric(b, "pagedlm_prompt_cache_entries") == 0
-    assert metric(b, "pagedlm_prompt_cache_hits_total") == metric(b, "pagedlm_prompt_cache_misses_total") == 0
+    text = httpx.get(b.url + "/metrics", timeout=10).text
+    assert "pagedlm_prompt_cache_entries" not in text and "pagedlm_prompt_cache_hits" not in text
     assert "paged_kv = on, block size 256" in b.log_text()
+    assert "prompt_cache_bytes = 2147483648 (off)" in b.log_text()
+
+
+def _pool_blocks(server: Server) -> int:
+    """The pool's block count, from the startup log ("kv_budget_bytes = B (N blocks)")."""
+    line = next(line for line in server.log_text().splitlines() if "kv_budget_bytes =" in line)
+    return int(line.split("(")[1].split()[0])
 
 
 def test_paged_blocks_are_in_use_while_running_and_freed_after(b):
+    total = _pool_blocks(b)
+    assert metric(b, "pagedlm_paged_kv_blocks_free") == total
     body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 300, "stream": True}
     with httpx.Client(base_url=b.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.headers["x-pagedlm-paged-kv"] == "1"
             lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
             next(line for line in lines if line.startswith("data:"))
-            # Gemma 3 270M: 3 global layers, each a pool of 2 blocks of 256 (24 + 300 tokens).
-            assert metric(b, "pagedlm_paged_kv_blocks_in_use") == 3
-            assert metric(b, "pagedlm_paged_kv_blocks_free") == 3
+            # One block table for all 3 global layers; blocks are taken as tokens
+            # arrive: the 24-token prompt and the first tokens fit one block of 256.
+            assert metric(b, "pagedlm_paged_kv_blocks_in_use") == 1
+            assert metric(b, "pagedlm_paged_kv_blocks_free") == total - 1
             assert metric(b, "pagedlm_kv_bytes", holder="running") > 0
     wait_for(lambda: metric(b, "pagedlm_running") == 0)
     assert metric(b, "pagedlm_paged_kv_blocks_in_use") == 0
+    assert metric(b, "pagedlm_paged_kv_blocks_free") == total
     assert metric(b, "pagedlm_kv_bytes", holder="running") == 0
+
+
+def test_concurrent_streams_match_their_batch_of_one_output(b):
+    """16 clients at once against the paged server: every stream completes
+    with the greedy tokens the same prompt gets alone."""
+    import concurrent.futures
+
+    prompts = [f"Fact {i}: the {w} is" for i, w in enumerate(
+        "sun moon river forest ocean desert mountain city road bridge tower garden castle island "
+        "valley cloud".split())]
+    body = {"max_tokens": 8, "temperature": 0}
+
+    def alone(prompt: str) -> str:
+        r = httpx.post(b.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+        return r.json()["choices"][0]["text"]
+
+    def streamed(prompt: str) -> str:
+        text = []
+        with httpx.stream("POST", b.url + "/v1/completions", json={**body, "prompt": prompt, "stream": True},
+                          timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(text)
+
+    expected = [alone(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(streamed, prompts))
+    assert got == expected
+    assert metric(b, "pagedlm_paged_kv_blocks_free") == _pool_blocks(b)
+
+
+def test_n_choices_run_as_separate_sequences(b):
+    kw = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3}
+    r = httpx.post(b.url + "/v1/completions", json=kw, timeout=120).json()
+    texts = [c["text"] for c in r["choices"]]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert r["usage"]["completion_tokens"] == 18
+    assert len(set(texts)) > 1  # seeds seed + 0, 1, 2: different draws
+    again = httpx.post(b.url + "/v1/completions", json=kw, timeout=120).json()
+    assert [c["text"] for c in again["choices"]] == texts

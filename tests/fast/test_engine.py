@@ -1,0 +1,308 @@
+"""The batched engine on tiny random-weight models: batched against alone,
+paged against default (exact), preemption, aborts, block invariants after
+every step, seeds, prompt-cache reuse, refusals, flat memory."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.batch.solo import Solo
+from pagedlm.options import EngineOptions, OptionError, PagedKvOptions, RequestTooLarge, SamplingParams
+from tests.conftest import CharTokenizer, tiny_model
+
+ATOL = 1e-4  # batched vs alone: GEMM shapes change with the batch (see test_models_vs_hf)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_all(engine: LLMEngine, batch: list[list[int]], params: SamplingParams, arrive_every: int = 0,
+            check=None) -> list:
+    """Add ``batch`` (one every ``arrive_every`` steps, 0 = all at once), step to
+    the end; the finished sequences in prompt order."""
+    seqs, pending, steps = [], list(batch), 0
+    while pending or engine.has_unfinished():
+        if pending and (arrive_every == 0 or steps % arrive_every == 0):
+            for ids in pending if arrive_every == 0 else pending[:1]:
+                seqs += engine.add_request(ids, params)
+            pending = [] if arrive_every == 0 else pending[1:]
+        engine.step()
+        steps += 1
+        if check is not None:
+            check(engine)
+    return seqs
+
+
+def paged(block_size: int = 4, budget: int = 1 << 22, **kw) -> EngineOptions:
+    return EngineOptions(paged_kv=PagedKvOptions(block_size), kv_budget_bytes=budget, **kw)
+
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def test_batched_matches_alone_with_staggered_arrivals_and_chunked_prefill(tiny):
+    """Mixed prompt lengths arriving one per step, prompts chunked (8 tokens a
+    step) beside other rows' decode: the same greedy tokens as each prompt
+    alone, and every chosen token's logprob and top-3 within ATOL."""
+    family, model, tok = tiny
+    batch = prompts(6, seed=1)
+    alone = [run_all(LLMEngine(model, tok), [ids], GREEDY)[0] for ids in batch]
+    engine = LLMEngine(model, tok, EngineOptions(max_num_batched_tokens=8))
+    together = run_all(engine, batch, GREEDY, arrive_every=1)
+    for a, b in zip(alone, together):
+        assert a.output_ids == b.output_ids
+        for (lp_a, top_a), (lp_b, top_b) in zip(a.logprobs, b.logprobs):
+            assert abs(lp_a - lp_b) <= ATOL
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) <= ATOL
+
+
+def test_a_step_really_mixes_prefill_and_decode_rows(tiny):
+    family, model, tok = tiny
+    engine = LLMEngine(model, tok, EngineOptions(max_num_batched_tokens=8))
+    engine.add_request(prompts(1, seed=2, lo=5, hi=5)[0], GREEDY)
+    engine.step()  # the whole 5-token prompt: now decoding
+    engine.add_request(prompts(1, seed=3, lo=30, hi=30)[0], GREEDY)
+    rows = engine.scheduler.schedule()
+    assert [n for _, n in rows] == [1, 7]  # one decode token, then a 7-token prompt chunk
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_store_is_bit_identical_to_default_store(tiny, block_size):
+    """Same prompts, same schedule: the same tokens and the same logprobs, to the bit."""
+    family, model, tok = tiny
+    batch = prompts(5, seed=4, lo=2, hi=50)
+    opts = dict(max_num_batched_tokens=16, max_num_seqs=4)
+    default = run_all(LLMEngine(model, tok, EngineOptions(**opts)), batch, GREEDY, arrive_every=2)
+    engine = LLMEngine(model, tok, paged(block_size, **opts))
+    assert engine.paged and engine.blocks.block_size == block_size
+    got = run_all(engine, batch, GREEDY, arrive_every=2)
+    assert engine.num_preemptions == 0  # same schedule: the pool is big enough
+    for a, b in zip(default, got):
+        assert a.output_ids == b.output_ids
+        assert a.logprobs == b.logprobs  # floats compared exactly
+
+
+def test_preemption_recomputes_and_continues(tiny):
+    """A pool too small for every row: the newest is preempted, recomputed
+    later, and ends with the tokens it gets with room to spare."""
+    family, model, tok = tiny
+    batch = prompts(6, seed=5, lo=10, hi=20)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    roomy = run_all(LLMEngine(model, tok, paged(4)), batch, params)
+    spec = model.kv_spec()
+    full = sum(1 for s in spec if s.window is None)
+    per_block = 2 * full * 4 * spec[0].num_kv_heads * spec[0].head_dim * 4
+    engine = LLMEngine(model, tok, paged(4, budget=per_block * 24, max_model_len=64))
+    tight = run_all(engine, batch, params, check=lambda e: e.blocks.check({s.seq_id for s in e.scheduler.running}))
+    assert engine.num_preemptions > 0
+    assert [s.output_ids for s in tight] == [s.output_ids for s in roomy]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_abort_frees_everything_before_the_next_step(tiny):
+    family, model, tok = tiny
+    for options in (EngineOptions(), paged(4)):
+        engine = LLMEngine(model, tok, options)
+        (a,) = engine.add_request(prompts(1, seed=6)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        (b,) = engine.add_request(prompts(1, seed=7)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        engine.abort(a)
+        assert a.is_finished and a.finish_reason == "abort"
+        assert a.seq_id not in engine.store.rows
+        if engine.blocks is not None:
+            assert a.seq_id not in engine.blocks.tables
+        rows = engine.scheduler.schedule()
+        assert [s for s, _ in rows] == [b]
+        engine.abort(b)
+        assert not engine.has_unfinished() and not engine.store.rows
+        assert engine.scheduler.reserved_bytes == 0
+        if engine.blocks is not None:
+            assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+class _Ops:
+    ADD, STEP, ABORT = range(3)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from([_Ops.ADD, _Ops.STEP, _Ops.STEP, _Ops.ABORT]),
+                          st.integers(1, 30), st.integers(1, 12)), min_size=5, max_size=40),
+       st.sampled_from([1, 2, 4]))
+def test_block_invariants_hold_after_every_step(ops, block_size):
+    """Random arrivals, finishes, aborts and (a small pool) preemptions: after
+    every scheduler step each block is free or owned by exactly one live
+    sequence; when all have ended, every block is free and no row is left."""
+    model, tok = _MODEL["llama"], CharTokenizer()
+    spec = model.kv_spec()
+    per_block = 2 * len(spec) * block_size * spec[0].num_kv_heads * spec[0].head_dim * 4
+    engine = LLMEngine(model, tok, paged(block_size, budget=per_block * (48 // block_size),
+                                          max_model_len=48, max_num_batched_tokens=16))
+    live, rng = [], random.Random(0)
+
+    def check():
+        running = {s.seq_id for s in engine.scheduler.running}
+        engine.blocks.check(running)
+        assert set(engine.store.rows) == running
+        for s in engine.scheduler.running:  # a running row holds blocks for what it stored
+            assert len(engine.blocks.tables.get(s.seq_id, [])) >= engine.blocks.blocks_for(s.num_computed)
+
+    for op, length, max_tokens in ops:
+        if op == _Ops.ADD:
+            live += engine.add_request([rng.randrange(2, 256) for _ in range(length)],
+                                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        elif op == _Ops.ABORT and live:
+            engine.abort(live.pop(length % len(live)))
+        else:
+            engine.step()
+        check()
+    while engine.has_unfinished():
+        engine.step()
+        check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.store.rows
+
+
+_MODEL = {"llama": tiny_model("llama")}
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch(tiny):
+    family, model, tok = tiny
+    seeded = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    (ids,) = prompts(1, seed=8)
+    alone = run_all(LLMEngine(model, tok), [ids], seeded)[0].output_ids
+    engine = LLMEngine(model, tok)
+    others = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True))
+              for p in prompts(3, seed=9)]
+    (mine,) = engine.add_request(ids, seeded)
+    while engine.has_unfinished():
+        engine.step()
+    assert others and mine.output_ids == alone
+    unseeded = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=10, temperature=0.8, seed=99,
+                                                                    ignore_eos=True))[0].output_ids
+    assert unseeded != alone  # the seed matters (else this test could not fail)
+
+
+def test_n_sequences_share_a_prompt_and_differ_by_seed(tiny):
+    family, model, tok = tiny
+    engine = LLMEngine(model, tok)
+    seqs = engine.add_request(prompts(1, seed=10)[0], SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3,
+                                                                     ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seqs) == 3 and len({tuple(s.output_ids) for s in seqs}) > 1
+
+
+def test_penalties_change_what_is_sampled_and_never_make_nan(tiny):
+    """OpenAI's presence/frequency penalties push repeated tokens down; extreme
+    accepted values (tiny temperature, tiny top_p, tiny repetition penalty)
+    still give tokens, never NaN probabilities."""
+    family, model, tok = tiny
+    (ids,) = prompts(1, seed=11)
+    plain = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    penal = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=16, ignore_eos=True,
+                                                                 frequency_penalty=2.0, presence_penalty=2.0))[0]
+    assert len(set(penal.output_ids)) >= len(set(plain.output_ids))
+    assert penal.output_ids != plain.output_ids
+    for extreme in (dict(temperature=1e-30), dict(temperature=0.7, top_p=1e-30),
+                    dict(temperature=0.7, repetition_penalty=1e-30), dict(temperature=50.0, min_p=1.0)):
+        out = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=4, seed=0, ignore_eos=True,
+                                                                   **extreme))[0]
+        assert len(out.output_ids) == 4 and all(0 <= t < 256 for t in out.output_ids)
+
+
+def test_stop_ids_strings_and_length():
+    model, tok = _MODEL["llama"], CharTokenizer()
+    (ids,) = prompts(1, seed=12)
+    free = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.output_ids) == 12
+    stop_id = free.output_ids[4]
+    by_id = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=12, stop_token_ids=[stop_id]))[0]
+    first = free.output_ids.index(stop_id)
+    assert by_id.finish_reason == "stop" and by_id.output_ids == free.output_ids[: first + 1]
+    stop_text = tok.decode(free.output_ids[5:7])
+    by_text = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=12, stop=[stop_text],
+                                                                   ignore_eos=True))[0]
+    assert by_text.finish_reason == "stop"
+    assert by_text.text == free.text[: free.text.index(stop_text)]
+
+
+def test_prompt_logprobs_across_chunks_equal_a_one_shot_forward(tiny):
+    """Prompt logprobs computed chunk by chunk inside mixed steps equal the
+    log-softmax of one forward over the whole prompt (within ATOL)."""
+    family, model, tok = tiny
+    (ids,) = prompts(1, seed=13, lo=30, hi=30)
+    engine = LLMEngine(model, tok, EngineOptions(max_num_batched_tokens=7))
+    engine.add_request(prompts(1, seed=14)[0], SamplingParams(max_tokens=6, ignore_eos=True))
+    (seq,) = engine.add_request(ids, SamplingParams(max_tokens=2, prompt_logprobs=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    reference = torch.log_softmax(Solo(model)(ids).float(), dim=-1)
+    assert len(seq.prompt_logprobs) == len(ids) - 1
+    for p, (lp, top) in enumerate(seq.prompt_logprobs):
+        assert abs(lp - reference[p, ids[p + 1]].item()) <= ATOL
+        assert [t for t, _ in top] == reference[p].topk(2).indices.tolist()
+
+
+def test_prompt_cache_reuses_a_finished_prefix_with_the_same_output(tiny):
+    family, model, tok = tiny
+    engine = LLMEngine(model, tok, EngineOptions(prompt_cache_bytes=1 << 24))
+    (ids,) = prompts(1, seed=15, lo=20, hi=20)
+    first = run_all(engine, [ids], GREEDY)[0]
+    turn = ids + first.output_ids + [7, 8, 9]  # a next turn: all of the first, then more
+    second = run_all(engine, [turn], GREEDY)[0]
+    # The first stored its prompt and every generated token but the last (never fed).
+    assert second.num_cached == len(ids) + len(first.output_ids) - 1
+    cold = run_all(LLMEngine(model, tok), [turn], GREEDY)[0]
+    assert second.output_ids == cold.output_ids
+    assert engine.prompt_cache.hits == 1
+
+
+def test_requests_that_can_never_fit_are_refused_when_added(tiny):
+    family, model, tok = tiny
+    engine = LLMEngine(model, tok, paged(4, budget=1 << 16, max_model_len=64))
+    capacity = engine.blocks.num_blocks * 4
+    assert capacity < 512
+    with pytest.raises(OptionError, match="max_model_len"):
+        engine.add_request([5] * 60, SamplingParams(max_tokens=10))
+    default = LLMEngine(model, tok, EngineOptions(kv_budget_bytes=1 << 12))
+    with pytest.raises(RequestTooLarge, match="KV budget is 4096 bytes"):
+        default.add_request([5] * 10, SamplingParams(max_tokens=100))
+    assert not engine.has_unfinished() and not default.has_unfinished()
+
+
+def test_a_budget_smaller_than_one_max_length_sequence_is_refused_at_startup(tiny):
+    family, model, tok = tiny
+    with pytest.raises(OptionError, match="fewer than one sequence of max_model_len"):
+        LLMEngine(model, tok, paged(4, budget=1 << 12))
+
+
+def test_memory_stays_flat_over_a_thousand_requests():
+    """The pool is fixed and default-store rows are freed: after 1,000
+    requests nothing is left behind, and the tensors alive after 200 requests
+    are as many as after 1,000."""
+    model, tok = _MODEL["llama"], CharTokenizer()
+    for options in (EngineOptions(max_num_seqs=32), paged(4, max_num_seqs=32)):
+        engine = LLMEngine(model, tok, options)
+        rng = random.Random(0)
+        counts = []
+        for done in range(0, 1000, 100):
+            for _ in range(100):
+                engine.add_request([rng.randrange(2, 256) for _ in range(rng.randint(1, 12))],
+                                   SamplingParams(max_tokens=rng.randint(1, 3), ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            gc.collect()
+            counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+        assert not engine.store.rows and engine.scheduler.reserved_bytes == 0
+        if engine.blocks is not None:
+            assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert counts[-1] <= counts[1], counts
