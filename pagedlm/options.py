@@ -46,7 +46,7 @@ class PagedKvOptions:
 class GenerateOptions:
     """Everything one generation request asks for."""
 
-    max_tokens: int = 256
+    max_tokens: int = 256  # 0 with prompt_logprobs: score the prompt, generate nothing
     temperature: float = 0.0  # 0 = greedy; validate() makes < GREEDY_BELOW_TEMPERATURE 0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -69,7 +69,8 @@ class GenerateOptions:
             if not math.isfinite(value):
                 raise OptionError(f"{name} must be a finite number (got {value})")
         checks: list[tuple[bool, str]] = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1 (got {self.max_tokens})"),
+            (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             f"max_tokens must be >= 1, or 0 to only score the prompt (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
             (self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k})"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})"),
@@ -232,7 +233,8 @@ SERVER_FLAGS: tuple[ServerFlag, ...] = (
                "bytes of KV the prompt cache may keep (0 turns it off)"),
     ServerFlag("max_queue", "PAGEDLM_MAX_QUEUE", lambda t: _nonneg_int(t, "--max-queue"),
                "requests that may wait behind the running one; past it, 503"),
-    ServerFlag("api_key", "PAGEDLM_API_KEY", str, "require Authorization: Bearer KEY"),
+    ServerFlag("api_key", "PAGEDLM_API_KEY", lambda t: t or None,
+               "require Authorization: Bearer KEY (empty: no authentication)"),
     ServerFlag("max_model_len", "PAGEDLM_MAX_MODEL_LEN",
                lambda t: positive_int(t, "--max-model-len"),
                "context length limit (prompt + max_tokens); default: the model's"),
