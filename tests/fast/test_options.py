@@ -100,3 +100,18 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_serve_checks_its_address_before_loading_the_model(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # The model does not exist: if it were loaded first, that would be the error.
+        assert main(["serve", "--model", "/no/such/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
+    assert main(["serve", "--model", "/no/such/model", "--host", "no.such.host.invalid"]) == 2
+    assert "cannot listen on no.such.host.invalid" in capsys.readouterr().err
