@@ -391,3 +391,12 @@ def test_an_unwritable_cache_dir_is_one_line_and_exit_2(tiny_gguf, monkeypatch, 
     assert main(["generate", "--model", str(tiny_gguf), "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the conversion cache") and err.count("\n") == 1
+
+
+def test_generate_says_on_stderr_what_it_loads(tiny_gguf, capsys):
+    from pagedlm.cli import main
+
+    assert main(["generate", "--model", str(tiny_gguf), "--max-tokens", "2", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert "pagedlm: reading tiny.gguf (once" in err  # the first run converts
+    assert f"pagedlm: loading {tiny_gguf} on cpu" in err
