@@ -400,3 +400,11 @@ def test_generate_says_on_stderr_what_it_loads(tiny_gguf, capsys):
     err = capsys.readouterr().err
     assert "pagedlm: reading tiny.gguf (once" in err  # the first run converts
     assert f"pagedlm: loading {tiny_gguf} on cpu" in err
+
+
+def test_loader_annotations_resolve():
+    import typing
+
+    from pagedlm.loading import hf
+
+    assert typing.get_type_hints(hf.load_model)["return"] is torch.nn.Module
