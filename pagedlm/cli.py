@@ -111,11 +111,14 @@ def _sampling_options(args) -> opt.SamplingParams:
 
 
 def _load(args):
-    from .loading import load
+    from .loading import load, resolve
 
     device = opt.resolve_device(args.device)
     dtype = opt.resolve_dtype(args.dtype, device)
-    return load(args.model or opt.DEFAULT_MODEL, device, dtype)
+    spec = args.model or opt.DEFAULT_MODEL
+    folder = resolve(spec)  # a first run converts the GGUF here, with progress bars
+    print(f"pagedlm: loading {spec} on {device} ...", file=sys.stderr, flush=True)
+    return load(str(folder), device, dtype)
 
 
 def cmd_generate(args) -> int:
@@ -225,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
-    except (CliError, opt.OptionError, ModelNotFound) as e:
+    except (CliError, opt.OptionError, ModelNotFound) as e:  # LoadError is a ModelNotFound
         print(f"error: {e}" if not str(e).startswith("pagedlm") else str(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

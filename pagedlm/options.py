@@ -9,6 +9,7 @@ mirrors `REFUSALS` row for row.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -17,6 +18,12 @@ import torch
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_BLOCK_SIZE = 256  # = KVCache.STEP: v1's growth granularity, permuted into reusable slots
+# Paged KV kernels index blocks by shifts and tile them: powers of two only, and
+# bounded, because a request's pool holds at least one block per paged layer.
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
+# Below this a temperature means greedy: logits divided by 1e-38 overflow
+# float32 (inf - inf = NaN probabilities), and sampling that cold is the argmax.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
 
 
@@ -48,8 +55,8 @@ class SamplingParams:
     plus the top k.
     """
 
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
+    max_tokens: int = 256  # 0 with prompt_logprobs: score the prompt, generate nothing
+    temperature: float = 0.0  # 0 = greedy; validate() makes < GREEDY_BELOW_TEMPERATURE 0
     top_k: int = 0  # 0 = off (-1 is accepted as off too, as vLLM spells it)
     top_p: float = 1.0
     min_p: float = 0.0
@@ -65,13 +72,21 @@ class SamplingParams:
     n: int = 1
 
     def validate(self) -> None:
-        """Raise `OptionError` naming the first bad field."""
+        """Raise `OptionError` naming the first bad field; then make a
+        temperature too small to divide by exactly 0 (greedy), so that every
+        sampler sees one meaning of it."""
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise OptionError(f"{name} must be a finite number (got {value})")
         checks: list[tuple[bool, str]] = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1 (got {self.max_tokens})"),
+            (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             f"max_tokens must be >= 1, or 0 to only score the prompt (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
             (self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k})"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})"),
@@ -91,6 +106,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise OptionError(message)
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
 
 
 # The serial API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).
@@ -132,11 +149,19 @@ def resolve_paged_kv(
     """Explicit CLI flag > explicit PAGEDLM_PAGED_KV > default (off)."""
     on = flag if flag is not None else env_flag(PAGED_KV_ENV, environ)
     if block_size is not None:
-        block_size = positive_int(block_size, "--paged-kv-block-size")
+        block_size = check_block_size(positive_int(block_size, "--paged-kv-block-size"))
     check_refusals({"paged_kv": bool(on), "paged_kv_block_size": block_size})
     if not on:
         return None
     return PagedKvOptions(block_size=block_size or DEFAULT_BLOCK_SIZE)
+
+
+def check_block_size(block_size: int) -> int:
+    """A power of two in [MIN_BLOCK_SIZE, MAX_BLOCK_SIZE], else `OptionError`."""
+    if not (MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE and block_size & (block_size - 1) == 0):
+        raise OptionError(f"--paged-kv-block-size must be a power of two from {MIN_BLOCK_SIZE} "
+                          f"to {MAX_BLOCK_SIZE} (got {block_size})")
+    return block_size
 
 
 def resolve_device(device: str | None) -> str:
@@ -339,8 +364,9 @@ SERVER_FLAGS: tuple[ServerFlag, ...] = (
                lambda t: _nonneg_int(t, "--prompt-cache-bytes"),
                "bytes of KV the prompt cache may keep (0 turns it off)"),
     ServerFlag("max_queue", "PAGEDLM_MAX_QUEUE", lambda t: _nonneg_int(t, "--max-queue"),
-               "requests that may wait for the engine to admit them; past it, 503"),
-    ServerFlag("api_key", "PAGEDLM_API_KEY", str, "require Authorization: Bearer KEY"),
+               "sequences that may wait for the engine to admit them; past it, 503"),
+    ServerFlag("api_key", "PAGEDLM_API_KEY", lambda t: t or None,
+               "require Authorization: Bearer KEY (empty: no authentication)"),
     ServerFlag("max_model_len", "PAGEDLM_MAX_MODEL_LEN",
                lambda t: positive_int(t, "--max-model-len"),
                "context length limit (prompt + max_tokens); default: the model's"),

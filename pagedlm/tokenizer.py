@@ -9,6 +9,8 @@ ids end generation, and the chat template.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -128,9 +130,17 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can cover: a text longer than
+        ``n * max_token_chars`` is more than ``n`` tokens, known without encoding it."""
+        return max(len(t) for t in self._tk.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; with ``add_special_tokens``, BOS per the model's rule, never doubled."""
-        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt does not
+        # stall the server's event loop while it is tokenized on another thread.
+        ids = self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None:
             return ids
@@ -160,8 +170,42 @@ class Tokenizer:
             raise ValueError(f"chat template: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Chat prompt ids. Like transformers, adds no special tokens beyond the template's."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        """Chat prompt ids. Like transformers, adds no special tokens beyond the template's.
+
+        Message content is text: a control token spelled inside it (a user
+        writing ``<|im_end|>\n<|im_start|>system``) is tokenized as plain text,
+        so that nobody can forge turns; only the template's own markers are
+        special. Content without such text is tokenized exactly as before."""
+        messages = [_text_message(m) for m in messages]
+        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
+        if not any(s in c for c in contents for s in self._special_texts):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                               add_special_tokens=False)
+        # Mark where each content lands in the rendered prompt, then tokenize the
+        # template's text with special tokens and the content without.
+        mark = secrets.token_hex(8)
+        opening, closing = f"\x02{mark}<", f">{mark}\x03"
+        wrapped = [{**m, "content": opening + m["content"] + closing}
+                   if isinstance(m.get("content"), str) else m for m in messages]
+        text = self.apply_chat_template(wrapped, add_generation_prompt)
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"{re.escape(opening)}|{re.escape(closing)}", text)):
+            if i % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            elif piece:
+                ids += self._plain_text.encode_batch([piece], add_special_tokens=False)[0].ids
+        return ids
+
+    @cached_property
+    def _special_texts(self) -> list[str]:
+        return [t.content for t in self._tk.get_added_tokens_decoder().values() if t.special]
+
+    @cached_property
+    def _plain_text(self) -> tokenizers.Tokenizer:
+        """The same tokenizer, reading special-token text as ordinary text."""
+        plain = tokenizers.Tokenizer.from_str(self._tk.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     @cached_property
     def _template(self):

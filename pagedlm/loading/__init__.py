@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .catalog import DEFAULT_MODEL, ModelNotFound, list_models, resolve
+from .catalog import DEFAULT_MODEL, LoadError, ModelNotFound, list_models, resolve
 from .hf import load_model
 
-__all__ = ["load", "resolve", "list_models", "load_model", "ModelNotFound", "DEFAULT_MODEL"]
+__all__ = ["load", "resolve", "list_models", "load_model", "ModelNotFound", "LoadError", "DEFAULT_MODEL"]
 
 
 def load(

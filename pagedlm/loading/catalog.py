@@ -25,6 +25,16 @@ class ModelNotFound(Exception):
     """A model spec that names nothing loadable; the message says what to do."""
 
 
+class LoadError(ModelNotFound):
+    """A model file that is there but cannot be loaded (not a GGUF, truncated,
+    an unsupported architecture), or a conversion cache that cannot be written.
+    One line naming the file and the problem."""
+
+
+# What reading a broken or foreign file raises (gguf-py, numpy, our converter).
+_BAD_FILE_ERRORS = (ValueError, KeyError, IndexError, EOFError, OverflowError)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
 
@@ -133,11 +143,19 @@ def converted_folder(gguf_path: Path, sha256: str | None = None) -> Path:
     from .gguf import convert
 
     final = cache_dir() / "converted" / sha256[:16]
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{sha256[:16]}-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
-        convert(gguf_path, tmp)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{sha256[:16]}-", dir=final.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+    except OSError as e:
+        raise LoadError(f"cannot write the conversion cache {final.parent}: {e.strerror or e} "
+                        "(set PAGEDLM_CACHE_DIR to a writable folder)") from None
+    try:
+        try:
+            convert(gguf_path, tmp)
+        except _BAD_FILE_ERRORS as e:
+            detail = (str(e).splitlines() or [type(e).__name__])[0]
+            raise LoadError(f"{gguf_path}: not a GGUF file pagedlm can load ({detail})") from None
         stamp = {"source": str(gguf_path), "sha256": sha256, "converter_version": CONVERTER_VERSION}
         (tmp / "pagedlm.json").write_text(json.dumps(stamp, indent=2) + "\n")
         if _cached(sha256) is not None:  # another process finished first

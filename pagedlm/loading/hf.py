@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors.torch import load_file
 
 

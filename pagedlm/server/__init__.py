@@ -9,6 +9,7 @@ engine core.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from pagedlm.options import ServerOptions, resolve_device, resolve_dtype
@@ -49,6 +50,23 @@ def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[st
     ]
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, or `OptionError`: a bad address or a
+    port in use is found before the model loads, not after."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as e:
+        raise OptionError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OptionError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run(options: ServerOptions) -> int:
     """Load the model and serve until interrupted. Returns an exit status."""
     import uvicorn
@@ -64,6 +82,8 @@ def run(options: ServerOptions) -> int:
     _setup_logging()
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    sock = bind(options.host, options.port)
+    log.info("loading %s on %s", options.model, device)
     model, tokenizer = load(options.model, device, dtype)
     llm = LLMEngine(model, tokenizer, options.engine)
     metrics = Metrics()
@@ -78,11 +98,13 @@ def run(options: ServerOptions) -> int:
     if options.api_key is None and options.host not in LOOPBACK:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it",
                     options.host)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
+                            timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level="info",
-                    timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         lane.close()
+        sock.close()
     return 0
 
 

@@ -9,6 +9,7 @@ Every error leaves as OpenAI's ``{"error": {...}}`` body, never a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -19,12 +20,23 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pagedlm.options import OptionError
 
 from .loop import EngineLoop, Job, QueueFull
 from .metrics import Metrics, outcome_of
-from .protocol import APIError, ChatRequest, CompletionRequest, ModelCard, ModelList, parse
+from .protocol import (
+    APIError,
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    parse,
+)
 from .responses import ChatShape, CompletionShape, Shape
 
 if TYPE_CHECKING:
@@ -35,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedlm.server")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+BODY_TIMEOUT_S = 30  # longest wait for the next piece of a request body
 RETRY_AFTER_S = 1
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -44,31 +57,48 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its request was read: a
+    cancelled request, not a server error."""
+
+
 async def read_body(request: Request) -> bytes:
     """The request body, refused with 413 past ``MAX_BODY_BYTES`` without
-    reading more than that."""
+    reading more than that, and with 408 when the client stops sending for
+    ``BODY_TIMEOUT_S`` (a body shorter than its Content-Length)."""
     too_big = APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), BODY_TIMEOUT_S)
+        except StopAsyncIteration:
+            return bytes(body)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S}s",
+                           code="request_timeout") from None
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise too_big
-    return bytes(body)
 
 
-def _failure(e: Exception) -> APIError:
-    """What a request hears when its generation failed: a request the engine
-    refused (e.g. more KV than the budget holds) is the client's 400."""
+def generation_error(e: Exception) -> APIError:
+    """What a failure during generation tells the client: a request the
+    engine refused (e.g. more KV than the budget can ever hold) is the
+    client's 400; anything else is a 500, logged."""
     if isinstance(e, OptionError):
         return APIError(400, str(e), code="invalid_request")
+    log.error("generation failed", exc_info=e)
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
 
 
 def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "ServerOptions") -> FastAPI:
-    app = FastAPI(title="pagedlm", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedlm", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     started = int(time.time())
 
     async def require_key(request: Request) -> None:
@@ -100,6 +130,13 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
             err.status_code, message.get(err.status_code, str(err.detail)),
             code="not_found" if err.status_code == 404 else None, headers=dict(err.headers or {})))
 
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, err: ClientGone) -> Response:
+        log.info("%s %s: the client left before sending its whole body", request.method,
+                 request.url.path)
+        metrics.record(ENDPOINTS.get(request.url.path, "other"), "cancelled")
+        return Response(status_code=499)  # nobody reads it
+
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
@@ -121,12 +158,12 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
         card = ModelCard(id=engine.model_id, created=started, max_model_len=engine.max_model_len)
         return ModelList(data=[card]).model_dump(mode="json")
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", **_documented(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:
         return await _generate(request, "completions", CompletionRequest, engine.plan_completion,
                                CompletionShape)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", **_documented(ChatRequest, ChatCompletion))
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat", ChatRequest, engine.plan_chat, ChatShape)
 
@@ -151,9 +188,7 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
             async for index, resp in job.events(request.is_disconnected):
                 shape.add(index, resp)
         except Exception as e:
-            if not isinstance(e, OptionError):
-                log.exception("generation failed")
-            raise _failure(e) from None
+            raise generation_error(e) from None
         if not shape.finished:  # the client went away; nobody reads this
             metrics.record(endpoint, "cancelled")
             return Response(status_code=499)
@@ -173,14 +208,49 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
                 yield _sse("[DONE]")
                 outcome = "ok"
         except Exception as e:
-            err = _failure(e)
+            err = generation_error(e)
             outcome = outcome_of(err.status)
-            if err.status >= 500:
-                log.exception("generation failed mid-stream")
             yield _sse(err.body())
             yield _sse("[DONE]")
         finally:
             metrics.record(endpoint, outcome)
 
     app.include_router(api)
+    _add_request_schemas(app)
     return app
+
+
+# -- /openapi.json ------------------------------------------------------------
+# The generation routes read their bodies themselves (size limit, timeout,
+# strict parsing off the event loop), so the request and response models are
+# declared here for the schema.
+
+ERRORS = {400: "bad input", 401: "missing or wrong API key", 404: "unknown model or route",
+          408: "body too slow", 413: "body too large", 503: "queue full"}
+
+
+def _documented(request_model, response_model) -> dict:
+    body = {"$ref": f"#/components/schemas/{request_model.__name__}"}
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
+        "responses": {
+            200: {"model": response_model, "description": "the completion, or with stream: server-sent "
+                  "events of chunks", "content": {"text/event-stream": {}}},
+            **{status: {"model": ErrorResponse, "description": why} for status, why in ERRORS.items()},
+        },
+    }
+
+
+def _add_request_schemas(app: FastAPI) -> None:
+    from pydantic.json_schema import models_json_schema
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatRequest, "validation")],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

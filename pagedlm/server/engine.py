@@ -59,6 +59,8 @@ class Engine:
         self._check_common(req)
         prompts, texts = self._completion_prompts(req.prompt)
         prompt_logprobs = req.logprobs if req.echo else None
+        if req.echo and req.max_tokens == 0:  # score the prompt only (lm-eval, legacy API)
+            prompt_logprobs = req.logprobs or 0
         options = self._options(req, req.logprobs, prompt_logprobs)
         return self._plan(req, prompts, options, req.max_tokens, "max_tokens",
                           COMPLETION_DEFAULT_MAX_TOKENS, texts if req.echo else None)
@@ -106,14 +108,16 @@ class Engine:
         return options
 
     def _plan(self, req, prompts, options, max_tokens, max_param, default_max, echo_texts) -> Plan:
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"{max_param} must be >= 1 (got {max_tokens})", param=max_param)
+        scoring = max_tokens == 0 and echo_texts is not None
+        if max_tokens is not None and max_tokens < 1 and not scoring:
+            raise APIError(400, f"{max_param} must be >= 1 (got {max_tokens}); 0 only with echo",
+                           param=max_param)
         limit = self.max_model_len
         n = req.n or 1
         choices, per_choice = [], []
         for ids in prompts:
             room = limit - len(ids)
-            if room < 1:
+            if room < (0 if scoring else 1):
                 raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context length "
                                f"is {limit} tokens, which leaves no room to generate",
                                param="messages" if isinstance(req, ChatRequest) else "prompt",
@@ -140,9 +144,12 @@ class Engine:
         """Token ids and text of each prompt in a completion request."""
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
             else [prompt]
+        params = ["prompt" if len(batch) == 1 else f"prompt[{i}]" for i in range(len(batch))]
+        for p, param in zip(batch, params):  # every one, before tokenizing any
+            if isinstance(p, str):
+                self._check_text_length(len(p), param)
         ids_list, texts = [], []
-        for i, p in enumerate(batch):
-            param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        for p, param in zip(batch, params):
             if isinstance(p, str):
                 ids = self.tokenizer.encode(p) if p else []
                 text = p
@@ -159,6 +166,15 @@ class Engine:
             texts.append(text)
         return ids_list, texts
 
+    def _check_text_length(self, chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context, before tokenizing it: no
+        token covers more than ``max_token_chars`` characters."""
+        if chars > self.max_model_len * self.tokenizer.max_token_chars:
+            raise APIError(400, f"{param} is {chars} characters, more than this model's context "
+                           f"length of {self.max_model_len} tokens can hold",
+                           param="messages" if param == "messages" else "prompt",
+                           code="context_length_exceeded")
+
     def _chat_prompt(self, req: ChatRequest) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages is empty", param="messages")
@@ -174,6 +190,7 @@ class Engine:
                                    param=f"messages[{i}].content")
                 content = "".join(part.text for part in content)
             messages.append({"role": CHAT_ROLES[m.role], "content": content})
+        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = self.tokenizer.encode_chat(messages)
         except ValueError as e:  # the model's template refused them (raise_exception), or has none

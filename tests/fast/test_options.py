@@ -21,6 +21,17 @@ def test_bad_block_size_is_an_option_error(bad):
         opt.resolve_paged_kv(True, bad, {})
 
 
+@pytest.mark.parametrize("bad", ["4", "24", "1000", "2048", "65536", "1000000"])
+def test_block_size_must_be_a_power_of_two_from_8_to_1024(bad):
+    with pytest.raises(opt.OptionError, match="power of two from 8 to 1024"):
+        opt.resolve_paged_kv(True, bad, {})
+
+
+@pytest.mark.parametrize("good", [8, 16, 256, 1024])
+def test_block_sizes_in_bounds_are_accepted(good):
+    assert opt.resolve_paged_kv(True, str(good), {}) == opt.PagedKvOptions(good)
+
+
 def test_bad_env_value_is_an_option_error():
     with pytest.raises(opt.OptionError, match="PAGEDLM_PAGED_KV must be 1 or 0"):
         opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "maybe"})
@@ -42,6 +53,26 @@ def test_generate_options_validate_names_the_bad_field(field, value):
         options.validate()
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(opt.OptionError, match=f"^{field} must be a finite number"):
+        opt.GenerateOptions(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("tiny", [1e-40, 1e-45, 1e-300, 5e-324, 9.9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny):
+    options = opt.GenerateOptions(temperature=tiny)
+    options.validate()
+    assert options.temperature == 0.0
+
+
+def test_a_small_but_usable_temperature_is_kept():
+    options = opt.GenerateOptions(temperature=1e-5)
+    options.validate()
+    assert options.temperature == 1e-5
+
+
 def test_server_options_flag_beats_env_beats_default():
     env = {"PAGEDLM_PORT": "9001", "PAGEDLM_MAX_QUEUE": "3"}
     resolved = opt.ServerOptions.resolve({"port": "9002"}, env)
@@ -56,6 +87,9 @@ def test_server_options_flag_beats_env_beats_default():
         (["generate", "--paged-kv", "--paged-kv-block-size", "0", "hi"], "positive integer"),
         (["generate", "--paged-kv-block-size", "16", "hi"], "needs --paged-kv"),
         (["generate", "--max-tokens", "0", "hi"], "max_tokens must be >= 1"),
+        (["generate", "--temp", "inf", "hi"], "temperature must be a finite number"),
+        (["generate", "--top-p", "nan", "hi"], "top_p must be a finite number"),
+        (["generate", "--paged-kv", "--paged-kv-block-size", "65536", "hi"], "power of two"),
         (["generate", "--temp", "abc", "hi"], "invalid float value"),
         (["generate", "--model", "/no/such/model", "hi"], "/no/such/model"),
         (["frobnicate"], "invalid choice"),
@@ -66,3 +100,18 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_serve_checks_its_address_before_loading_the_model(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # The model does not exist: if it were loaded first, that would be the error.
+        assert main(["serve", "--model", "/no/such/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
+    assert main(["serve", "--model", "/no/such/model", "--host", "no.such.host.invalid"]) == 2
+    assert "cannot listen on no.such.host.invalid" in capsys.readouterr().err

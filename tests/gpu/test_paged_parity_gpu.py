@@ -54,7 +54,7 @@ def test_paged_bf16_trim_then_continue_matches_default(loaded):
     for paged in (None, PagedKvOptions(16)):
         cache = make_cache(model)
         if paged:
-            maybe_page_kv(cache, paged, len(ids) + 2 * GEN, model)
+            assert maybe_page_kv(cache, paged, len(ids) + 2 * GEN, model), "nothing was paged"
         first = _greedy(model, tokenizer, ids, cache=cache)
         for c in cache:
             assert c.trim(7) == 7

@@ -1,0 +1,104 @@
+"""Generation through the public API only (`pagedlm.stream_generate` /
+`pagedlm.generate` with `GenerateOptions`), on tiny random-weight models:
+what was reached only through real weights before. Written against the API,
+not the loop, so that they hold for any engine behind it."""
+
+from __future__ import annotations
+
+import pytest
+
+import pagedlm
+from pagedlm import GenerateOptions
+from pagedlm.generate import make_cache
+
+from conftest import tiny_tokenizer
+
+CHUNK = 512  # prompt tokens per prefill forward today (pagedlm.generate.PREFILL_CHUNK)
+
+
+def run(model, tokenizer, prompt, **kw):
+    """(tokens, text, finish_reason, last response) of one request."""
+    steps = list(pagedlm.stream_generate(model, tokenizer, prompt, GenerateOptions(**kw)))
+    tokens = [s.token for s in steps if s.token is not None]
+    return tokens, "".join(s.text for s in steps), steps[-1].finish_reason, steps[-1]
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    return [(7 * i * i + 13 * i + seed) % 250 + 3 for i in range(n)]  # no control tokens
+
+
+def test_prompt_logprobs_across_prefill_chunk_boundaries_match_shorter_prompts(model, tokenizer):
+    ids = prompt_ids(2 * CHUNK + 40)
+    steps = list(pagedlm.stream_generate(model, tokenizer, ids,
+                                         GenerateOptions(max_tokens=1, prompt_logprobs=1)))
+    scored = steps[0].prompt_logprobs
+    assert len(scored) == len(ids) - 1  # every prompt token after the first
+    # scored[p - 1] is about ids[p] given ids[:p]; its top-1 is what greedy
+    # decoding of the prompt ids[:p] picks first (a prompt of one chunk or less
+    # where p <= CHUNK).
+    for p in (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1):
+        chosen_lp, top = scored[p - 1]
+        first = list(pagedlm.stream_generate(model, tokenizer, ids[:p],
+                                             GenerateOptions(max_tokens=1, logprobs=0)))[0]
+        assert top[0][0] == first.token, p
+        assert top[0][1] == pytest.approx(first.logprob[0], abs=1e-4), p
+        assert chosen_lp <= top[0][1] + 1e-6
+
+
+def test_length_stop_id_and_stop_string_each_end_the_request_where_they_should(model, tokenizer):
+    prompt = prompt_ids(20, seed=1)
+    free, free_text, finish, last = run(model, tokenizer, prompt, max_tokens=16, ignore_eos=True)
+    assert finish == "length" and len(free) == 16 and last.generation_tokens == 16
+    assert free_text == tokenizer.decode(free)
+
+    # A stop id: the request ends on its first occurrence; its text is not emitted.
+    # (Picked after whole characters: bytes of a character still incomplete at a
+    # stop id are dropped today, while at length they flush as U+FFFD.)
+    k = next(i for i in range(3, 16)
+             if free[i] not in free[:i] and not tokenizer.decode(free[:i]).endswith("\ufffd"))
+    tokens, text, finish, _ = run(model, tokenizer, prompt, max_tokens=16, ignore_eos=True,
+                                  stop_token_ids=[free[k]])
+    assert finish == "stop" and tokens == free[: k + 1]
+    assert text == tokenizer.decode(free[:k])
+
+    # A stop string: the text ends just before it.
+    stop = next(free_text[i : i + 2] for i in range(4, len(free_text) - 2)
+                if free_text[i : i + 2].isascii() and free_text.find(free_text[i : i + 2]) == i)
+    tokens, text, finish, _ = run(model, tokenizer, prompt, max_tokens=16, ignore_eos=True, stop=[stop])
+    assert finish == "stop" and text == free_text[: free_text.index(stop)]
+    assert tokens == free[: len(tokens)] and len(tokens) < 16
+
+    # Length wins when neither comes first.
+    tokens, _, finish, _ = run(model, tokenizer, prompt, max_tokens=5, ignore_eos=True,
+                               stop_token_ids=[free[k]] if k >= 5 else [], stop=["\x00never"])
+    assert finish == "length" and tokens == free[:5]
+
+
+def test_eos_ends_the_request_unless_ignore_eos(model):
+    prompt = prompt_ids(20, seed=2)
+    base = tiny_tokenizer()
+    free, *_ = run(model, base, prompt, max_tokens=12, ignore_eos=True)
+    k = next(i for i in range(2, 12) if free[i] not in free[:i])
+    eos_at_k = tiny_tokenizer()
+    eos_at_k.eos_token_ids = {free[k]}
+    tokens, _, finish, _ = run(model, eos_at_k, prompt, max_tokens=12)
+    assert finish == "stop" and tokens == free[: k + 1]
+    tokens, _, finish, _ = run(model, eos_at_k, prompt, max_tokens=12, ignore_eos=True)
+    assert finish == "length" and tokens == free
+
+
+def test_a_cache_holding_a_prefix_is_reused_and_changes_nothing(model, tokenizer):
+    first = prompt_ids(40, seed=1)
+    cache = make_cache(model)
+    run_1 = list(pagedlm.stream_generate(model, tokenizer, first,
+                                         GenerateOptions(max_tokens=6, ignore_eos=True), cache=cache))
+    assert cache[0].offset == 40 + 6 - 1  # the prompt and every generated token but the last
+    for layer in cache:
+        layer.trim(cache[0].offset - 30)  # keep the first 30 prompt tokens
+    second = first[:30] + prompt_ids(15, seed=2)
+    steps = list(pagedlm.stream_generate(model, tokenizer, second,
+                                         GenerateOptions(max_tokens=8, ignore_eos=True), cache=cache))
+    cold, *_ = run(model, tokenizer, second, max_tokens=8, ignore_eos=True)
+    assert steps[-1].cached_tokens == 30 and steps[-1].prompt_tokens == 45
+    assert [s.token for s in steps] == cold
+    assert len(run_1) == 6

@@ -1,0 +1,264 @@
+"""The server in-process on a tiny random-weight model: request planning,
+bad input, disconnects, the schema. Seconds, no real weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedlm.cache.prompt import PromptCache
+from pagedlm.options import PagedKvOptions, ServerOptions
+from pagedlm.server import app as app_module
+from pagedlm.server.app import build_app
+from pagedlm.server.engine import COMPLETION_DEFAULT_MAX_TOKENS, Engine
+from pagedlm.server.lane import SerialLane
+from pagedlm.server.metrics import Metrics
+
+MAX_MODEL_LEN = 64
+
+
+def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX_MODEL_LEN):
+    """The app and its engine, as `pagedlm.server.run` wires them."""
+    metrics, lane = Metrics(), SerialLane(max_queue=4)
+    engine = Engine(model, tokenizer, "tiny", max_model_len, PromptCache(1 << 24), paged_kv, metrics)
+    metrics.bind(engine, lane)
+    return build_app(engine, lane, metrics, ServerOptions(model="tiny", api_key=api_key)), engine
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    app, engine = make_app(model, tokenizer)
+    with TestClient(app) as client:
+        yield client, engine
+
+
+@pytest.fixture
+def client(served):
+    return served[0]
+
+
+def metric(client, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"{name} {labels} is not in /metrics")
+
+
+def complete(client, **body) -> dict:
+    r = client.post("/v1/completions", json={"prompt": "hello world", **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def error_of(r, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    return error
+
+
+# ---------------------------------------------------------------- sampling values (item 1)
+
+
+def test_a_temperature_too_small_to_divide_by_answers_greedily(client):
+    greedy = complete(client, max_tokens=8, temperature=0)["choices"][0]["text"]
+    for tiny in (1e-40, 1e-45, 1e-300):
+        assert complete(client, max_tokens=8, temperature=tiny)["choices"][0]["text"] == greedy
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
+def test_an_infinite_sampling_value_is_a_400_naming_it(client, field):
+    body = b'{"prompt": "hello", "%s": 1e999}' % field.encode()
+    r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert "finite" in error_of(r, 400, field)["message"]
+
+
+# ---------------------------------------------------------------- planning (item 13)
+
+
+def test_max_tokens_defaults_completions_16_chat_the_rest_of_the_context(client, served, tokenizer):
+    out = complete(client, ignore_eos=True)
+    assert out["usage"]["completion_tokens"] <= COMPLETION_DEFAULT_MAX_TOKENS
+    engine = served[1]
+    plan = engine.plan_completion(app_module.CompletionRequest(prompt="hello world"))
+    assert plan.options[0].max_tokens == COMPLETION_DEFAULT_MAX_TOKENS
+    long = [5] * (MAX_MODEL_LEN - 4)
+    plan = engine.plan_completion(app_module.CompletionRequest(prompt=long))
+    assert plan.options[0].max_tokens == 4  # capped to the context left
+    chat = app_module.ChatRequest(messages=[{"role": "user", "content": "hello"}])
+    plan = engine.plan_chat(chat)
+    assert plan.options[0].max_tokens == MAX_MODEL_LEN - len(tokenizer.encode_chat([{"role": "user",
+                                                                                      "content": "hello"}]))
+
+
+def test_a_batch_of_prompts_gives_one_choice_per_prompt_in_order(client):
+    prompts = ["hello world", "the sea", "hello hello"]
+    alone = [complete(client, prompt=p, max_tokens=4)["choices"][0]["text"] for p in prompts]
+    batch = complete(client, prompt=prompts, max_tokens=4)
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in batch["choices"]] == alone
+    assert batch["usage"]["completion_tokens"] == 12
+
+
+def test_a_full_kv_pool_reaches_the_client_as_a_503_not_a_traceback(model, tokenizer, monkeypatch, caplog):
+    from pagedlm.cache.paged import BlockPool, PagedPoolExhausted
+
+    def exhausted(self):
+        raise PagedPoolExhausted(1, 0, self.num_blocks, self.block_size)
+
+    monkeypatch.setattr(BlockPool, "alloc", exhausted)
+    app, _ = make_app(model, tokenizer, paged_kv=PagedKvOptions(16))
+    with TestClient(app) as client, caplog.at_level(logging.INFO, "pagedlm"):
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        error = error_of(r, 503, None)
+        assert error["code"] == "kv_cache_exhausted" and "paged KV pool exhausted" in error["message"]
+        assert r.headers["retry-after"] == "1"
+        with client.stream("POST", "/v1/completions",
+                           json={"prompt": "hello", "max_tokens": 2, "stream": True}) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert json.loads(events[0][5:])["error"]["code"] == "kv_cache_exhausted"
+        assert events[-1] == "data: [DONE]"
+        assert metric(client, "pagedlm_requests_total", endpoint="completions", outcome="error") == 0
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(served, monkeypatch):
+    client, engine = served
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    monkeypatch.setattr(engine.tokenizer, "encode_chat", lambda *a, **k: pytest.fail("tokenized"))
+    text = "x" * (MAX_MODEL_LEN * engine.tokenizer.max_token_chars + 1)
+    r = client.post("/v1/completions", json={"prompt": text})
+    assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+    r = client.post("/v1/completions", json={"prompt": ["hi", text]})
+    assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+    half = text[: len(text) // 2 + 1]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": half},
+                                                               {"role": "user", "content": half}]})
+    assert error_of(r, 400, "messages")["code"] == "context_length_exceeded"
+
+
+# ---------------------------------------------------------------- echo and scoring (item 16)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(client, tokenizer):
+    prompt = "hello world, the sea"
+    scored = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    one = complete(client, prompt=prompt, max_tokens=1, echo=True, logprobs=2)
+    choice = scored["choices"][0]
+    n = len(tokenizer.encode(prompt))
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert scored["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
+    lp, lp1 = choice["logprobs"], one["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == n and lp["token_logprobs"][0] is None
+    assert lp["tokens"] == lp1["tokens"][:n] and lp["token_logprobs"] == lp1["token_logprobs"][:n]
+    # Without logprobs it is the prompt alone; without echo it stays a 400.
+    bare = complete(client, prompt=prompt, max_tokens=0, echo=True)["choices"][0]
+    assert bare["text"] == prompt and bare["logprobs"] is None
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    error_of(r, 400, "max_tokens")
+
+
+def test_echoed_top_logprobs_hold_the_actual_token_even_outside_the_top_k(client, tokenizer):
+    prompt = "hello world, the sea is deep"
+    lp = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    outside = 0
+    for token, token_lp, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[token] == token_lp
+        outside += len(top) == 2  # the actual token beside a better one
+    assert outside > 0, "every prompt token was the top one: the case is not exercised"
+
+
+# ---------------------------------------------------------------- wire shape (item 7), schema (item 6)
+
+
+def test_stream_chunks_leave_out_the_empty_extension_field(client):
+    whole = complete(client, max_tokens=3)
+    assert whole["pagedlm"] == {"paged_kv": False, "cached_tokens": whole["pagedlm"]["cached_tokens"]}
+    for path, body in (("/v1/completions", {"prompt": "hello"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]})):
+        with client.stream("POST", path, json={**body, "max_tokens": 3, "stream": True,
+                                                "stream_options": {"include_usage": True}}) as s:
+            chunks = [json.loads(line[5:]) for line in s.iter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        assert len(chunks) >= 2 and all("pagedlm" not in c for c in chunks), path
+
+
+def test_openapi_json_describes_the_routes_and_their_request_bodies(client):
+    schema = client.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
+        op = schema["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}"
+        assert "400" in op["responses"] and "200" in op["responses"]
+    components = schema["components"]["schemas"]
+    assert "prompt" in components["CompletionRequest"]["required"]
+    assert "messages" in components["ChatRequest"]["required"]
+
+
+# ---------------------------------------------------------------- auth (item 5)
+
+
+def test_an_empty_api_key_means_no_authentication(model, tokenizer):
+    assert ServerOptions.resolve({"api_key": ""}, {}).api_key is None
+    assert ServerOptions.resolve({"api_key": ""}, {"PAGEDLM_API_KEY": "secret"}).api_key is None
+    assert ServerOptions.resolve({}, {"PAGEDLM_API_KEY": ""}).api_key is None
+    app, _ = make_app(model, tokenizer, api_key=ServerOptions.resolve({"api_key": ""}, {}).api_key)
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models", headers={"Authorization": "Bearer "}).status_code == 200
+
+
+# ---------------------------------------------------------------- request bodies (item 2)
+
+
+def _asgi(app, receive_messages, timeout_s=None):
+    """Drive the ASGI app with a body that arrives as ``receive_messages``
+    (then nothing more); returns the response status."""
+    sent = []
+
+    async def main():
+        queue = list(receive_messages)
+
+        async def receive():
+            if queue:
+                return queue.pop(0)
+            await asyncio.sleep(3600)  # a client that stops sending
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "server": ("test", 80), "client": ("test", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]}
+        await app(scope, receive, send)
+
+    asyncio.run(asyncio.wait_for(main(), 30))  # a guard: a hang fails instead of blocking the suite
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def test_a_client_that_leaves_mid_body_is_cancelled_not_an_error(model, tokenizer, caplog):
+    app, _ = make_app(model, tokenizer)
+    with caplog.at_level(logging.INFO, "pagedlm"):
+        status = _asgi(app, [{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+                             {"type": "http.disconnect"}])
+    assert status == 499
+    assert not any(r.exc_info or r.levelno >= logging.ERROR for r in caplog.records)
+    with TestClient(app) as client:
+        assert metric(client, "pagedlm_requests_total", endpoint="completions", outcome="cancelled") == 1
+        assert metric(client, "pagedlm_requests_total", endpoint="completions", outcome="error") == 0
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_408(model, tokenizer, monkeypatch):
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 0.05)
+    app, _ = make_app(model, tokenizer)
+    status = _asgi(app, [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}])
+    assert status == 408
