@@ -12,7 +12,7 @@ import logging
 import socket
 import sys
 
-from pagedlm.options import ServerOptions, resolve_device, resolve_dtype
+from pagedlm.options import OptionError, ServerOptions, resolve_device, resolve_dtype
 
 log = logging.getLogger("pagedlm.server")
 

@@ -9,11 +9,12 @@ import pytest
 
 import pagedlm
 from pagedlm import GenerateOptions
-from pagedlm.generate import make_cache
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.options import DEVICE_DEFAULTS, EngineOptions
 
 from conftest import tiny_tokenizer
 
-CHUNK = 512  # prompt tokens per prefill forward today (pagedlm.generate.PREFILL_CHUNK)
+CHUNK = DEVICE_DEFAULTS["cpu"]["max_num_batched_tokens"]  # prompt tokens per step of a lone request
 
 
 def run(model, tokenizer, prompt, **kw):
@@ -88,17 +89,17 @@ def test_eos_ends_the_request_unless_ignore_eos(model):
 
 
 def test_a_cache_holding_a_prefix_is_reused_and_changes_nothing(model, tokenizer):
+    """The engine's prompt cache lends the first request's KV to a second
+    prompt sharing 30 tokens with it (trimmed back to them): only the rest
+    is prefilled, and the tokens are those of a cold run."""
+    engine = LLMEngine(model, tokenizer, EngineOptions(prompt_cache_bytes=1 << 24))
     first = prompt_ids(40, seed=1)
-    cache = make_cache(model)
     run_1 = list(pagedlm.stream_generate(model, tokenizer, first,
-                                         GenerateOptions(max_tokens=6, ignore_eos=True), cache=cache))
-    assert cache[0].offset == 40 + 6 - 1  # the prompt and every generated token but the last
-    for layer in cache:
-        layer.trim(cache[0].offset - 30)  # keep the first 30 prompt tokens
+                                         GenerateOptions(max_tokens=6, ignore_eos=True), engine=engine))
     second = first[:30] + prompt_ids(15, seed=2)
     steps = list(pagedlm.stream_generate(model, tokenizer, second,
-                                         GenerateOptions(max_tokens=8, ignore_eos=True), cache=cache))
+                                         GenerateOptions(max_tokens=8, ignore_eos=True), engine=engine))
     cold, *_ = run(model, tokenizer, second, max_tokens=8, ignore_eos=True)
     assert steps[-1].cached_tokens == 30 and steps[-1].prompt_tokens == 45
     assert [s.token for s in steps] == cold
-    assert len(run_1) == 6
+    assert len(run_1) == 6 and engine.prompt_cache.hits == 1

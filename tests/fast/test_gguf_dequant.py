@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
+from pagedlm.batch.solo import Solo
 from pagedlm.loading import catalog
 from pagedlm.loading import gguf as conv
 from pagedlm.loading.hf import load_model
@@ -292,8 +293,8 @@ def test_tiny_gguf_converts_to_hf_folder_and_loads(tmp_path, arch):
 
     model = load_model(out, "cpu", torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in model.parameters())
-    logits = model(torch.tensor([[5, 6, 7]]), model.make_cache())
-    assert logits.shape == (1, 3, config["vocab_size"]) and torch.isfinite(logits).all()
+    logits = Solo(model)([5, 6, 7])
+    assert logits.shape == (3, config["vocab_size"]) and torch.isfinite(logits).all()
 
     tok = Tokenizer.from_folder(out)
     text = "hello" if arch == "llama" else "ab a"

@@ -44,7 +44,7 @@ def test_block_size_without_paging_is_refused():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
      ("min_p", 2.0), ("repetition_penalty", 0.0), ("logprobs", 21)],
 )
 def test_generate_options_validate_names_the_bad_field(field, value):

@@ -1,8 +1,15 @@
 import torch
 
-from pagedlm.generate import StopMatcher
+from pagedlm.batch.sequence import Sequence, StopMatcher
 from pagedlm.options import GenerateOptions
-from pagedlm.sampling import Sampler, apply_repetition_penalty
+from pagedlm.sampling import apply_penalties, sample, sample_row
+
+
+def Sampler(options, tokens=(2,), output=()):  # noqa: N802 - reads like the sampler it stands for
+    """One sequence's next-token draw, with ``tokens`` as its prompt."""
+    seq = Sequence(list(tokens), options, set(), None)
+    seq.output_ids = list(output)
+    return lambda logits: sample_row(logits, seq)
 
 
 def _draws(options, n=50):
@@ -43,8 +50,37 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_best():
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits = torch.tensor([2.0, -2.0, 1.0])
-    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)
-    assert out.tolist() == [1.0, -4.0, 1.0]
+    seq = Sequence([0, 1, 1], GenerateOptions(repetition_penalty=2.0), set(), None)
+    assert apply_penalties(logits, seq).tolist() == [1.0, -4.0, 1.0]
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    """OpenAI: logit -= frequency * count + presence, over the output, not the prompt."""
+    logits = torch.zeros(4)
+    seq = Sequence([3, 3], GenerateOptions(presence_penalty=0.5, frequency_penalty=0.25), set(), None)
+    seq.output_ids = [1, 1, 2]
+    assert apply_penalties(logits, seq).tolist() == [0.0, -1.0, -0.75, 0.0]
+
+
+def test_batched_sample_matches_row_by_row():
+    """Greedy rows share one argmax, the others draw row by row with their own generators."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    opts = [GenerateOptions(), GenerateOptions(temperature=1.0, seed=1), GenerateOptions(repetition_penalty=1.5),
+            GenerateOptions(temperature=0.5, top_k=5, seed=2)]
+    batch = [Sequence([7, 8], o, set(), None) for o in opts]
+    alone = [Sampler(o, tokens=[7, 8])(row) for o, row in zip(opts, logits)]
+    assert sample(logits, batch) == alone
+
+
+def test_extreme_accepted_values_never_make_nan():
+    """A tiny top_p (float32 rounds it to 0) keeps the best token; a tiny
+    repetition penalty (positive logits / 1e-38 = inf) still draws a token."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    assert {Sampler(GenerateOptions(temperature=1.0, top_p=1e-46, seed=0))(logits) for _ in range(20)} == {1}
+    draw = Sampler(GenerateOptions(temperature=1.0, repetition_penalty=1e-45, seed=0), tokens=[0, 1, 2])
+    assert torch.isinf(apply_penalties(logits, Sequence([0, 1, 2], GenerateOptions(repetition_penalty=1e-45),
+                                                        set(), None))).any()  # the case is real
+    assert {draw(logits) for _ in range(20)} <= {0, 1, 2}
 
 
 def test_stop_matcher_holds_back_a_partial_stop_and_cuts_at_the_stop():

@@ -11,22 +11,27 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedlm.cache.prompt import PromptCache
-from pagedlm.options import PagedKvOptions, ServerOptions
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.options import EngineOptions, PagedKvOptions, ServerOptions
 from pagedlm.server import app as app_module
 from pagedlm.server.app import build_app
 from pagedlm.server.engine import COMPLETION_DEFAULT_MAX_TOKENS, Engine
-from pagedlm.server.lane import SerialLane
+from pagedlm.server.loop import EngineLoop
 from pagedlm.server.metrics import Metrics
 
 MAX_MODEL_LEN = 64
 
 
-def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX_MODEL_LEN):
-    """The app and its engine, as `pagedlm.server.run` wires them."""
-    metrics, lane = Metrics(), SerialLane(max_queue=4)
-    engine = Engine(model, tokenizer, "tiny", max_model_len, PromptCache(1 << 24), paged_kv, metrics)
-    metrics.bind(engine, lane)
+def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX_MODEL_LEN,
+             kv_budget_bytes=None):
+    """The app and its planner, as `pagedlm.server.run` wires them."""
+    llm = LLMEngine(model, tokenizer, EngineOptions(paged_kv=paged_kv, max_model_len=max_model_len,
+                                                    kv_budget_bytes=kv_budget_bytes,
+                                                    prompt_cache_bytes=0 if paged_kv else 1 << 24))
+    metrics = Metrics()
+    lane = EngineLoop(llm, max_queue=4, metrics=metrics)
+    engine = Engine(llm, "tiny")
+    metrics.bind(llm, lane)
     return build_app(engine, lane, metrics, ServerOptions(model="tiny", api_key=api_key)), engine
 
 
@@ -106,26 +111,30 @@ def test_a_batch_of_prompts_gives_one_choice_per_prompt_in_order(client):
     assert batch["usage"]["completion_tokens"] == 12
 
 
-def test_a_full_kv_pool_reaches_the_client_as_a_503_not_a_traceback(model, tokenizer, monkeypatch, caplog):
-    from pagedlm.cache.paged import BlockPool, PagedPoolExhausted
-
-    def exhausted(self):
-        raise PagedPoolExhausted(1, 0, self.num_blocks, self.block_size)
-
-    monkeypatch.setattr(BlockPool, "alloc", exhausted)
-    app, _ = make_app(model, tokenizer, paged_kv=PagedKvOptions(16))
+def test_a_request_the_kv_budget_can_never_hold_is_a_400_before_it_queues(model, tokenizer, caplog):
+    """The default store reserves prompt + max_tokens; a request bigger than
+    the whole budget is refused at planning, whole or streamed, with no
+    traceback; one that fits still runs."""
+    per_token = sum(2 * s.num_kv_heads * s.head_dim * 4 for s in model.kv_spec())
+    # Buffers grow by 256 tokens: a budget of 256 holds one request of up to 256.
+    app, _ = make_app(model, tokenizer, kv_budget_bytes=per_token * 256, max_model_len=512)
     with TestClient(app) as client, caplog.at_level(logging.INFO, "pagedlm"):
-        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
-        error = error_of(r, 503, None)
-        assert error["code"] == "kv_cache_exhausted" and "paged KV pool exhausted" in error["message"]
-        assert r.headers["retry-after"] == "1"
-        with client.stream("POST", "/v1/completions",
-                           json={"prompt": "hello", "max_tokens": 2, "stream": True}) as s:
-            events = [line for line in s.iter_lines() if line.startswith("data:")]
-        assert json.loads(events[0][5:])["error"]["code"] == "kv_cache_exhausted"
-        assert events[-1] == "data: [DONE]"
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 300, "stream": stream})
+            assert error_of(r, 400, "max_tokens")["code"] == "kv_budget_exceeded"
+        assert complete(client, prompt="hello", max_tokens=2)["usage"]["completion_tokens"] == 2
         assert metric(client, "pagedlm_requests_total", endpoint="completions", outcome="error") == 0
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_the_paged_server_shares_one_pool_and_frees_it(model, tokenizer):
+    app, engine = make_app(model, tokenizer, paged_kv=PagedKvOptions(16), kv_budget_bytes=1 << 20)
+    blocks = engine.llm.blocks
+    with TestClient(app) as client:
+        out = complete(client, prompt=["hello world", "the sea"], max_tokens=5)
+        assert out["pagedlm"]["paged_kv"] is True and out["usage"]["completion_tokens"] == 10
+        assert metric(client, "pagedlm_paged_kv_blocks_free") == blocks.num_blocks
+        assert metric(client, "pagedlm_paged_kv_blocks_in_use") == 0
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(served, monkeypatch):

@@ -1,8 +1,8 @@
 """The parity gate on CUDA: bf16, random weights with real shapes.
 
 Skipped without CUDA; run on the GPU machine. Random weights are fine here:
-the claim is that paging changes storage, not arithmetic, so both paths must
-give the same greedy tokens on any weights.
+the claim is that paging changes storage, not arithmetic, so for the same
+schedule both stores must give the same tokens and logprobs on any weights.
 """
 
 from pathlib import Path
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedlm.bench.decode import load_random
-from pagedlm.generate import make_cache, maybe_page_kv, stream_generate
-from pagedlm.options import GenerateOptions, PagedKvOptions
+from pagedlm.llm import LLM
+from pagedlm.options import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +21,7 @@ pytestmark = [
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 GEN = 48
+BUDGET = 2 << 30
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "gemma3-270m"])
@@ -29,49 +30,37 @@ def loaded(request):
     return model, tokenizer
 
 
-def _greedy(model, tokenizer, ids, paged=None, cache=None):
-    options = GenerateOptions(max_tokens=GEN, ignore_eos=True, paged_kv=paged)
-    return [r.token for r in stream_generate(model, tokenizer, ids, options, cache=cache)]
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (700, 300, 45, 1)]
 
 
-def _prompt(vocab: int, n: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+def _run(model, tokenizer, **kw):
+    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=512, **kw)
+    outs = llm.generate(_prompts(tokenizer.vocab_size),
+                        SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=1), use_tqdm=False)
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def test_paged_bf16_trajectory_equals_default(loaded):
+def test_paged_bf16_batch_equals_default_exactly(loaded):
     model, tokenizer = loaded
-    ids = _prompt(tokenizer.vocab_size, 700)
-    expected = _greedy(model, tokenizer, ids)
-    assert len(set(expected)) > 1, "degenerate trajectory proves nothing"
+    _, expected = _run(model, tokenizer)
+    assert len(set(expected[0][0])) > 1, "degenerate trajectory proves nothing"
     for block_size in (16, 64, 256):
-        assert _greedy(model, tokenizer, ids, PagedKvOptions(block_size)) == expected, block_size
-
-
-def test_paged_bf16_trim_then_continue_matches_default(loaded):
-    model, tokenizer = loaded
-    ids = _prompt(tokenizer.vocab_size, 300)
-    runs = []
-    for paged in (None, PagedKvOptions(16)):
-        cache = make_cache(model)
-        if paged:
-            assert maybe_page_kv(cache, paged, len(ids) + 2 * GEN, model), "nothing was paged"
-        first = _greedy(model, tokenizer, ids, cache=cache)
-        for c in cache:
-            assert c.trim(7) == 7
-        second = _greedy(model, tokenizer, ids + first[: GEN - 7], cache=cache)
-        runs.append((first, second))
-        for c in cache:
-            c.dispose()
-    assert runs[0] == runs[1]
+        llm, got = _run(model, tokenizer, paged_kv=True, block_size=block_size)
+        assert llm.engine.paged and llm.stats.preemptions == 0
+        assert got == expected, block_size
 
 
 def test_paged_requests_leave_no_memory_behind(loaded):
     model, tokenizer = loaded
-    ids = _prompt(tokenizer.vocab_size, 500)
-    _greedy(model, tokenizer, ids, PagedKvOptions(16))
+    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, paged_kv=True, block_size=16)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.generate(_prompts(tokenizer.vocab_size), params, use_tqdm=False)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for _ in range(3):
-        _greedy(model, tokenizer, ids, PagedKvOptions(16))
+        llm.generate(_prompts(tokenizer.vocab_size), params, use_tqdm=False)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

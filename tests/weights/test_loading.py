@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from pagedlm.batch.solo import Solo
+
 from pagedlm.loading import gguf as conv
 from pagedlm.loading import load
 from pagedlm.loading.catalog import BUILTINS, resolve
@@ -236,10 +238,9 @@ def test_model_loads_and_predicts_code(model_name):
     assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
     assert not model.training
     ids = tok.encode("def add(a, b):\n    return")
-    with torch.no_grad():
-        logits = model(torch.tensor([ids]), model.make_cache(), last_only=True)
-    assert logits.shape == (1, 1, tok.vocab_size)
-    assert tok.decode([int(logits[0, -1].argmax())]) == " a"
+    logits = Solo(model)(ids)
+    assert logits.shape == (len(ids), tok.vocab_size)
+    assert tok.decode([int(logits[-1].argmax())]) == " a"
 
 
 def test_chat_content_cannot_forge_turns(model_name):

@@ -1,9 +1,11 @@
-"""The parity gate: paged and default caches give the same greedy tokens, exactly.
+"""The parity gate: the paged store gives the default store's tokens and
+logprobs, exactly, for the same schedule.
 
 Paging changes where keys and values are stored, not the arithmetic, so the
-bar is tolerance 0. Prompts span several blocks at every block size, and the
-Gemma prompt is longer than its 512-token sliding window, so its ring
-buffers wrap while the global layers are paged.
+bar is tolerance 0. Several prompts share each step (continuous batching);
+they span several blocks at every block size, and one is longer than
+Gemma's 512-token sliding window, so its ring buffers wrap while the global
+layers are paged.
 """
 
 import argparse
@@ -12,14 +14,16 @@ import inspect
 import pytest
 import torch
 
-from pagedlm.generate import make_cache, maybe_page_kv, stream_generate
+from pagedlm.cache.kv import RotatingKVCache
+from pagedlm.llm import LLM
 from pagedlm.loading import load
-from pagedlm.options import GenerateOptions, PagedKvOptions
+from pagedlm.options import SamplingParams
 
 pytestmark = pytest.mark.weights
 
 MODELS = ["gemma3-270m", "smollm2-135m-instruct"]
-GEN = 32
+GEN = 16
+BUDGET = 1 << 30
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -28,61 +32,38 @@ def loaded(request):
     return request.param, model, tokenizer
 
 
-def _prompt(tokenizer, n: int) -> list[int]:
-    ids = tokenizer.encode(inspect.getsource(argparse))[:n]
-    assert len(ids) == n
-    return ids
+def _prompts(tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(inspect.getsource(argparse))
+    return [ids[:640], ids[1000:1100], ids[2000:2037]]  # > 2 blocks at 256, > Gemma's window
 
 
-def _greedy(model, tokenizer, ids, paged=None, cache=None) -> list[int]:
-    options = GenerateOptions(max_tokens=GEN, ignore_eos=True, paged_kv=paged)
-    out = [r.token for r in stream_generate(model, tokenizer, ids, options, cache=cache)]
-    assert len(out) == GEN
-    return out
+def _run(model, tokenizer, **kw):
+    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=256, **kw)
+    params = SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=2)
+    outs = llm.generate(_prompts(tokenizer), params, use_tqdm=False)
+    assert llm.stats.preemptions == 0
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def test_paged_greedy_trajectory_equals_default_at_every_block_size(loaded):
+def test_paged_store_equals_default_store_exactly_at_every_block_size(loaded):
     name, model, tokenizer = loaded
-    ids = _prompt(tokenizer, 640)  # > 2 blocks at 256, > Gemma's 512-token window
-    expected = _greedy(model, tokenizer, ids)
+    _, expected = _run(model, tokenizer)
+    assert all(len(tokens) == GEN for tokens, _ in expected)
     for block_size in (16, 64, 256):
-        got = _greedy(model, tokenizer, ids, PagedKvOptions(block_size))
-        assert got == expected, f"{name}: block size {block_size} diverged"
+        llm, got = _run(model, tokenizer, paged_kv=True, block_size=block_size)
+        assert llm.engine.paged
+        assert got == expected, f"{name}: block size {block_size} diverged"  # logprob floats too
 
 
-def test_paging_replaces_only_full_attention_caches(loaded):
-    name, model, _ = loaded
-    cache = make_cache(model)
-    kinds_before = [type(c).__name__ for c in cache]
-    assert maybe_page_kv(cache, PagedKvOptions(16), 100, model)
-    for before, after in zip(kinds_before, cache):
-        expected = "PagedKVCache" if before == "KVCache" else before
-        assert type(after).__name__ == expected
+def test_only_full_attention_layers_are_paged(loaded):
+    name, model, tokenizer = loaded
+    llm = LLM(model, tokenizer=tokenizer, paged_kv=True, block_size=16, kv_budget_bytes=BUDGET)
+    specs = model.kv_spec()
+    store = llm.engine.store
+    assert store.paged_layers == {i for i, s in enumerate(specs) if s.window is None}
+    store.add_row(-1)
+    row = store.pop_row(-1)
+    assert [c is None for c in row] == [s.window is None for s in specs]
+    assert all(isinstance(c, RotatingKVCache) for c in row if c is not None)
     if name.startswith("gemma3"):
-        assert "RotatingKVCache" in kinds_before  # the mixed shape is the normal one
-    for c in cache:
-        c.dispose()
-
-
-def test_trim_then_continue_matches_default(loaded):
-    """Generate, roll back 5 tokens, continue: same tokens with and without paging.
-
-    The prompt stays inside Gemma's window so that its ring buffers are still
-    trimmable; at block size 16 the rollback crosses a block boundary."""
-    _, model, tokenizer = loaded
-    ids = _prompt(tokenizer, 300)
-    trajectories = []
-    for paged in (None, PagedKvOptions(16)):
-        cache = make_cache(model)
-        if paged:
-            assert maybe_page_kv(cache, paged, len(ids) + 2 * GEN, model)
-        first = _greedy(model, tokenizer, ids, cache=cache)
-        assert cache[0].offset == len(ids) + GEN - 1
-        for c in cache:
-            assert c.trim(5) == 5
-        kept = ids + first[: GEN - 5]  # the cache holds all but its last token
-        second = _greedy(model, tokenizer, kept, cache=cache)
-        trajectories.append((first, second))
-        for c in cache:
-            c.dispose()
-    assert trajectories[0] == trajectories[1]
+        assert any(s.window for s in specs) and any(s.window is None for s in specs)  # the mixed shape

@@ -1,0 +1,159 @@
+"""The engine loop (many requests stepping together, joining and leaving
+between steps) on a tiny random-weight model, and request parsing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.options import EngineOptions, SamplingParams
+from pagedlm.server.engine import Plan
+from pagedlm.server.loop import EngineLoop, QueueFull
+from pagedlm.server.protocol import APIError, ChatRequest, CompletionRequest, parse
+
+
+def plan(*prompts: list[int], max_tokens: int = 6) -> Plan:
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _ in prompts]
+    return Plan(list(prompts), params, stream=False, include_usage=False, paged=False)
+
+
+def loop_for(model, tokenizer, max_queue: int = 8, **options) -> EngineLoop:
+    return EngineLoop(LLMEngine(model, tokenizer, EngineOptions(**options)), max_queue)
+
+
+async def collect(job) -> list:
+    return [item async for item in job.events()]
+
+
+def test_concurrent_requests_step_together(model, tokenizer):
+    """Two requests submitted together advance in the same steps: their
+    tokens interleave instead of one request running to its end first."""
+    loop = loop_for(model, tokenizer)
+    order = []
+
+    async def main():
+        a, b = loop.submit(plan([5, 6, 7], max_tokens=8)), loop.submit(plan([9, 10], max_tokens=8))
+
+        async def drain(job, name):
+            async for _index, resp in job.events():
+                order.append(name)
+        await asyncio.gather(drain(a, "a"), drain(b, "b"))
+
+    asyncio.run(main())
+    loop.close()
+    assert sorted(order) == ["a"] * 8 + ["b"] * 8
+    assert order.index("b") < order.index("a") + 8 - 1  # b's first token came before a's last
+    assert not loop.engine.has_unfinished()
+
+
+def test_queue_full_when_max_queue_sequences_wait(model, tokenizer):
+    loop = loop_for(model, tokenizer, max_queue=1, max_num_seqs=1)
+
+    async def main():
+        running = loop.submit(plan([5, 6], max_tokens=40))
+        events = running.events()
+        await events.__anext__()  # it runs
+        waiting = loop.submit(plan([7, 8], max_tokens=2))
+        while loop.depth != 1:
+            await asyncio.sleep(0.005)
+        with pytest.raises(QueueFull, match="--max-queue 1"):
+            loop.submit(plan([1]))
+        running.cancel()
+        await events.aclose()
+        assert len(await collect(waiting)) == 2
+
+    asyncio.run(main())
+    loop.close()
+
+
+def test_a_job_cancelled_while_queued_never_runs(model, tokenizer):
+    loop = loop_for(model, tokenizer, max_num_seqs=1)
+
+    async def main():
+        first = loop.submit(plan([5, 6], max_tokens=20))
+        queued = loop.submit(plan([7, 8], max_tokens=20))
+        queued.cancel()
+        await collect(first)
+        assert await collect(queued) == []
+        return queued
+
+    queued = asyncio.run(main())
+    loop.close()
+    assert all(s.finish_reason == "abort" and not s.output_ids for s in queued.seqs)
+
+
+def test_leaving_the_event_stream_aborts_the_sequences_and_frees_them(model, tokenizer):
+    loop = loop_for(model, tokenizer)
+
+    async def main():
+        job = loop.submit(plan([5, 6, 7], max_tokens=200))
+        async for _ in job.events():
+            break  # the client left after one token
+        while loop.engine.has_unfinished():
+            await asyncio.sleep(0.005)
+        return job
+
+    job = asyncio.run(main())
+    loop.close()
+    (seq,) = job.seqs
+    assert seq.finish_reason == "abort" and len(seq.output_ids) < 200
+    assert not loop.engine.store.rows and loop.engine.scheduler.reserved_bytes == 0
+
+
+def test_an_engine_refusal_is_raised_to_the_request(model, tokenizer):
+    loop = loop_for(model, tokenizer, max_model_len=16)
+
+    async def main():
+        with pytest.raises(Exception, match="exceeds max_model_len"):
+            await collect(loop.submit(plan([5] * 10, max_tokens=10)))
+        assert len(await collect(loop.submit(plan([5, 6], max_tokens=3)))) == 3  # still serving
+
+    asyncio.run(main())
+    loop.close()
+
+
+def test_disconnect_polling_cancels_a_job_that_waits_silently(model, tokenizer):
+    loop = loop_for(model, tokenizer, max_num_seqs=1)
+
+    async def gone():
+        return True
+
+    async def main():
+        busy = loop.submit(plan([5, 6], max_tokens=30))
+        silent = loop.submit(plan([7, 8], max_tokens=30))
+        assert [x async for x in silent.events(gone, poll_s=0.01)] == []
+        await collect(busy)
+        return silent
+
+    silent = asyncio.run(main())
+    loop.close()
+    assert silent.cancelled and all(s.finish_reason == "abort" for s in silent.seqs)
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, b'{"prompt": null}', "prompt"),
+    (CompletionRequest, b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    (CompletionRequest, b'{"prompt": "x", "stream": 1}', "stream"),
+    (ChatRequest, b'{"messages": [{"role": "user", "content": [{"type": 3}]}]}', "messages[0].content"),
+    (ChatRequest, b'{"messages": [{"content": "x"}]}', "messages[0].role"),
+    (ChatRequest, b'{"messages": [], "stream_options": {"include_usage": "y"}}',
+     "stream_options.include_usage"),
+])
+def test_parse_names_the_offending_field(model, body, param):
+    with pytest.raises(APIError) as e:
+        parse(model, body)
+    assert e.value.status == 400 and e.value.param == param
+    assert e.value.body()["error"]["param"] == param
+
+
+def test_parse_refuses_malformed_json():
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, b'{"prompt": ')
+    assert e.value.code == "invalid_json" and e.value.param is None
+
+
+def test_parse_accepts_every_prompt_form_and_ignores_unknown_fields():
+    for prompt in ('"x"', '["x", "y"]', "[1, 2]", "[[1], [2, 3]]"):
+        parse(CompletionRequest, f'{{"prompt": {prompt}, "best_of": 1}}'.encode())
