@@ -1,13 +1,20 @@
 """pagedlm: run and serve language models, with an optional paged KV cache.
 
     import pagedlm
-    model, tokenizer = pagedlm.load("gemma3-270m")
-    print(pagedlm.generate(model, tokenizer, "The capital of France is"))
+    llm = pagedlm.LLM("gemma3-270m", paged_kv=True)
+    outputs = llm.generate(["The capital of France is"], pagedlm.SamplingParams(max_tokens=16))
+    print(outputs[0].outputs[0].text)
+
+One request at a time: ``model, tokenizer = pagedlm.load(...)`` and
+``pagedlm.generate(model, tokenizer, prompt)`` / ``stream_generate``.
 """
 
+from .batch.engine import LLMEngine
 from .generate import GenerationResponse, generate, stream_generate
+from .llm import LLM, CompletionOutput, RequestOutput
 from .loading import load
-from .options import GenerateOptions, PagedKvOptions
+from .options import EngineOptions, GenerateOptions, PagedKvOptions, SamplingParams
 
-__all__ = ["load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine", "EngineOptions",
+           "load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",
            "GenerationResponse"]

@@ -110,7 +110,7 @@ class SamplingParams:
             self.temperature = 0.0
 
 
-# The serial API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).
+# The first API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).
 GenerateOptions = SamplingParams
 
 

@@ -1,13 +1,14 @@
-"""The Cache protocol every per-layer KV cache satisfies.
+"""The Cache protocol every per-sequence, per-layer KV cache satisfies.
 
-Attention asks a cache two questions and nothing else:
+The default store (``cache.store.KVStore``) asks a sequence's cache two
+questions per layer and step, and nothing else:
 
-    mask = cache.make_mask(n_new)          # before the update
-    k, v = cache.update_and_fetch(k, v)    # [B, H, L, D] in, [B, H, S, D] out
+    mask = cache.make_mask(n_new, device)  # before the update
+    k, v = cache.update_and_fetch(k, v)    # [L, H, D] in, [S, H, D] out
 
-RoPE for the new tokens is applied at ``cache.offset`` (read before the
-update). A new storage scheme is a new class with these members; code that
-can only handle some classes gates on ``isinstance`` and refuses the rest.
+A new storage scheme is a new class with these members; code that can only
+handle some classes (the prompt cache) gates on ``isinstance`` and refuses
+the rest.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ class Cache(Protocol):
     def update_and_fetch(
         self, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[B, H, L, D]`` keys/values; return every key/value that the
-        new queries attend to, contiguous, as ``[B, H, S, D]``."""
+        """Append ``[L, H, D]`` keys/values; return every key/value that the
+        new queries attend to, as ``[S, H, D]``."""
         ...
 
-    def make_mask(self, n_queries: int) -> torch.Tensor | None:
+    def make_mask(self, n_queries: int, device: torch.device | str | None = None) -> torch.Tensor | None:
         """Mask for the next ``n_queries`` positions, called before the update.
 
         Returns ``None`` when every fetched key is visible to every query,

@@ -8,12 +8,13 @@ done it ``put``s its caches back, keyed by exactly the tokens they hold.
 A multi-turn chat therefore reuses the previous turn: the new prompt starts
 with the old prompt and the old reply.
 
-Only contiguous caches (``KVCache``, ``RotatingKVCache``) are stored. Paged
-requests bypass the prompt cache and dispose their caches when done (the
-reference design's rule): ``put`` refuses anything else with ``TypeError``.
+Only contiguous caches (``KVCache``, ``RotatingKVCache``) are stored: the
+engine keeps a prompt cache only on the default store (the paged store's
+prefix sharing is block-level, a later step), and ``put`` refuses anything
+else with ``TypeError``.
 
-Not thread-safe: one user at a time (the server's serial lane, or the chat
-loop). ``nbytes``, ``hits`` and ``misses`` are plain ints, safe to read from
+Not thread-safe: one user at a time (the engine's scheduler, on the thread
+that steps it). ``nbytes``, ``hits`` and ``misses`` are plain ints, safe to read from
 another thread for metrics.
 """
 
@@ -101,7 +102,7 @@ class PromptCache:
 
     def put(self, tokens: Sequence[int], cache: list[Cache]) -> None:
         """Store ``cache``, which holds exactly ``tokens`` (after
-        ``stream_generate``: the prompt and every generated token but the
+        a finished sequence: the prompt and every generated token but the
         last). Takes ownership: evicted or unstorable entries are disposed."""
         for layer_cache in cache:
             if not isinstance(layer_cache, STORABLE):
