@@ -97,6 +97,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--model is a folder with a config.json: random weights of that shape")
     d.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
+    t = bsub.add_parser("throughput", help="offline batched output tok/s on random prompts (nano-vllm's "
+                        "workload); with --paged-kv: paged and default stores; --against hf: transformers' "
+                        "continuous batching, same run")
+    _add_model_args(t)
+    _add_engine_args(t)
+    t.add_argument("--num-prompts", type=int, default=256)
+    t.add_argument("--min-len", type=int, default=100, help="shortest prompt and output, tokens")
+    t.add_argument("--max-len", type=int, default=1024, help="longest prompt and output, tokens")
+    t.add_argument("--seed", type=int, default=0, help="seeds the prompts and lengths")
+    t.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved; medians reported")
+    t.add_argument("--against", choices=["hf"], default=None,
+                   help="also run transformers' continuous batching on the same weights and prompts")
+    t.add_argument("--hf-num-prompts", type=int, default=None, metavar="N",
+                   help="give transformers only the first N prompts (when it is too slow for all)")
+    t.add_argument("--hf-timeout", type=float, default=None, metavar="S",
+                   help="give up on transformers' run after S seconds (reported as an error)")
+    t.add_argument("--random-weights", action="store_true",
+                   help="--model is a folder with a config.json: random weights of that shape")
+    t.add_argument("--json", action="store_true", help="one JSON object per configuration")
+
+    m = bsub.add_parser("memory", help="KV bytes per live token and sequences admitted at a fixed budget: "
+                        "default store, paged store, padded batch")
+    _add_model_args(m)
+    _add_engine_args(m)
+    m.add_argument("--short-len", type=int, default=50, help="prompt tokens of a short request")
+    m.add_argument("--long-len", type=int, default=4000, help="prompt tokens of a long request")
+    m.add_argument("--num-short", type=int, default=64)
+    m.add_argument("--num-long", type=int, default=2)
+    m.add_argument("--max-tokens", type=int, default=8, help="tokens each request generates")
+    m.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    m.add_argument("--random-weights", action="store_true",
+                   help="--model is a folder with a config.json: random weights of that shape")
+    m.add_argument("--json", action="store_true", help="one JSON object per store")
+
     sub.add_parser("models", help="list built-in models")
     return parser
 
@@ -205,6 +239,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench == "throughput":
+        from .bench.throughput import run_throughput_bench
+
+        return run_throughput_bench(args, _engine_options(args))
+    if args.bench == "memory":
+        from .bench.memory import run_memory_bench
+
+        return run_memory_bench(args, _engine_options(args))
     from .bench.decode import run_decode_bench
 
     return run_decode_bench(args, _engine_options(args))

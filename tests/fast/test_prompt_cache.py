@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from pagedlm.cache.kv import KVCache, RotatingKVCache
-from pagedlm.cache.paged import BlockPool, PagedKVCache
 from pagedlm.cache.prompt import PromptCache, common_prefix
 
 H, D = 2, 4
 
 
 def kv_for(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Synthetic keys/values that depend on each token and its position."""
+    """Synthetic token-major ``[L, H, D]`` keys/values that depend on each
+    token and its position."""
     t = torch.tensor(tokens, dtype=torch.float32)
     pos = torch.arange(len(tokens), dtype=torch.float32)
-    k = (t * 10 + pos)[None, None, :, None].expand(1, H, len(tokens), D).contiguous()
+    k = (t * 10 + pos)[:, None, None].expand(len(tokens), H, D).contiguous()
     return k, -k
 
 
@@ -67,8 +67,8 @@ def test_divergent_prompt_trims_to_common_prefix_and_matches_a_fresh_cache():
     fresh = filled([1, 2])
     k_new, v_new = kv_for([1, 2, 9, 9])
     for reused, ref in zip(got, fresh):
-        a = reused.update_and_fetch(k_new[:, :, 2:], v_new[:, :, 2:])
-        b = ref.update_and_fetch(k_new[:, :, 2:], v_new[:, :, 2:])
+        a = reused.update_and_fetch(k_new[2:], v_new[2:])
+        b = ref.update_and_fetch(k_new[2:], v_new[2:])
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -166,13 +166,16 @@ def test_unwrapped_rotating_cache_is_trimmed():
     assert n == 2 and all(c.offset == 2 for c in got)
 
 
-def test_put_refuses_paged_caches():
+@pytest.mark.parametrize("bad", [None, "not a cache", object()])
+def test_put_refuses_none_and_foreign_layers_and_keeps_nothing(bad):
+    """The paged store's row caches hold None for the layers in the pools;
+    such a list (or any non-KVCache/RotatingKVCache layer) must be refused."""
     pc = PromptCache(1 << 20)
-    paged = PagedKVCache(BlockPool(2, 4))
-    paged.update_and_fetch(*kv_for([1, 2]))
+    good = filled([1, 2])
     with pytest.raises(TypeError, match="paged requests bypass"):
-        pc.put([1, 2], [paged])
-    assert len(pc) == 0
+        pc.put([1, 2], [good[0], bad, good[1]])
+    assert len(pc) == 0 and pc.nbytes == 0
+    assert pc.take([1, 2, 3]) == (None, 0)
 
 
 def test_put_refuses_a_token_count_the_cache_does_not_hold():

@@ -1,0 +1,145 @@
+"""`pagedlm bench memory`: what short requests pay beside long ones.
+
+``--num-long`` requests of ``--long-len`` random prompt tokens and
+``--num-short`` of ``--short-len`` (long ones first, so that they are
+admitted and the short ones fill what room is left), each generating
+``--max-tokens`` tokens (end-of-sequence ignored), run under one KV budget
+(``--kv-budget-bytes``; by default four rows of the longest request) through
+the default store and the paged store, one after the other in one process on
+the same weights. Three rows:
+
+- ``default``: each sequence's own contiguous buffers (grown 256 tokens at a
+  time); admitted while the projected bytes of prompt + max_tokens fit;
+- ``paged``: blocks from one pool sized by the budget, taken as tokens
+  arrive; admitted while free blocks last (preempting when they run out);
+- ``padded``: a padded batch (what a static-batching server holds), computed
+  from the paged run's schedule: at every step, every running row reserved
+  at the longest running row's prompt + max_tokens (``KVStats.kv_bytes_padded``);
+  its admitted count is the budget over one row at the longest request's
+  prompt + max_tokens.
+
+Figures, as means over the steps of the run: ``kv_bytes_allocated`` (held by
+live sequences), ``kv_bytes_live`` (holding tokens they attend to),
+``kv_live_fraction``, and ``bytes_per_live_token`` = allocated / live * the
+KV bytes of one token across all layers (for a model without sliding-window
+layers: exactly bytes allocated per live token). ``admitted``: the most
+sequences running at once (peak), with ``preemptions``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import random
+
+import torch
+
+from .. import options as opt
+from .throughput import ensure_tqdm, make_llm
+
+
+def _check(args) -> None:
+    for name in ("short_len", "long_len", "num_short", "num_long", "max_tokens"):
+        opt.positive_int(getattr(args, name), "--" + name.replace("_", "-"))
+    if args.short_len > args.long_len:
+        raise opt.OptionError(f"--short-len ({args.short_len}) must be <= --long-len ({args.long_len})")
+
+
+def row_bytes(specs, bytes_per_token: list[int], length: int) -> int:
+    """One row of ``length`` tokens across all layers (sliding layers hold at most their window)."""
+    return sum(b * (length if s.window is None else min(length, s.window)) for b, s in zip(bytes_per_token, specs))
+
+
+def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
+    from .decode import load_random
+
+    _check(args)
+    device = opt.resolve_device(args.device)
+    dtype = opt.resolve_dtype(args.dtype, device)
+    spec = args.model or opt.DEFAULT_MODEL
+    if args.random_weights:
+        model, tokenizer = load_random(spec, device, dtype)
+    else:
+        from ..loading import load
+
+        model, tokenizer = load(spec, device, dtype)
+    ensure_tqdm()
+
+    specs = model.kv_spec()
+    elem = torch.finfo(dtype).bits // 8
+    bytes_per_token = [2 * s.num_kv_heads * s.head_dim * elem for s in specs]
+    token_bytes = sum(bytes_per_token)
+    longest = args.long_len + args.max_tokens
+    padded_row = row_bytes(specs, bytes_per_token, longest)
+    budget = engine_options.kv_budget_bytes or 4 * padded_row
+    paged = engine_options.paged_kv or opt.PagedKvOptions()
+    num_requests = args.num_short + args.num_long
+    base_options = dataclasses.replace(engine_options, kv_budget_bytes=budget, gpu_memory_fraction=None,
+                                       max_num_seqs=engine_options.max_num_seqs or num_requests)
+
+    rng = random.Random(args.seed)
+    top = min(10000, model.args.vocab_size)
+    prompts = ([[rng.randrange(top) for _ in range(args.long_len)] for _ in range(args.num_long)]
+               + [[rng.randrange(top) for _ in range(args.short_len)] for _ in range(args.num_short)])
+    params = opt.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+
+    stats = {}
+    for name, options in (("default", dataclasses.replace(base_options, paged_kv=None)),
+                          ("paged", dataclasses.replace(base_options, paged_kv=paged))):
+        llm = make_llm(model, tokenizer, options, max_model_len=longest)
+        llm.generate(prompts, params, use_tqdm=False)
+        stats[name] = llm.stats
+        del llm
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    base = {
+        "model": spec, "random_weights": bool(args.random_weights), "device": device,
+        "dtype": str(dtype).removeprefix("torch."), "num_short": args.num_short, "short_len": args.short_len,
+        "num_long": args.num_long, "long_len": args.long_len, "max_tokens": args.max_tokens,
+        "kv_budget_bytes": budget, "kv_bytes_per_token": token_bytes, "padded_row_bytes": padded_row,
+        "max_num_seqs": base_options.max_num_seqs, "machine": platform.machine(),
+    }
+
+    def per_live_token(allocated: float, live: float) -> float | None:
+        return round(allocated / live * token_bytes, 1) if live else None
+
+    rows = []
+    for name in ("default", "paged"):
+        s = stats[name]
+        rows.append({"name": name, "store": name, **base,
+                     "block_size": paged.block_size if name == "paged" else None,
+                     "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
+                     "kv_live_fraction": round(s.live_fraction, 4),
+                     "bytes_per_live_token": per_live_token(s.kv_bytes_allocated, s.kv_bytes_live),
+                     "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated,
+                     "admitted": s.peak_running, "preemptions": s.preemptions, "steps": s.steps})
+    s = stats["paged"]
+    rows.append({"name": "padded", "store": "padded", **base, "block_size": None,
+                 "kv_bytes_allocated": round(s.kv_bytes_padded), "kv_bytes_live": round(s.kv_bytes_live),
+                 "kv_live_fraction": round(s.kv_bytes_live / s.kv_bytes_padded, 4) if s.kv_bytes_padded else 0.0,
+                 "bytes_per_live_token": per_live_token(s.kv_bytes_padded, s.kv_bytes_live),
+                 "peak_kv_bytes_allocated": None,
+                 "admitted": min(num_requests, budget // padded_row), "preemptions": 0, "steps": s.steps,
+                 "schedule": "the paged run's: every running row at the longest running row's prompt + max_tokens"})
+    padded_admitted = rows[-1]["admitted"]
+    for row in rows:
+        row["admitted_vs_padded"] = round(row["admitted"] / padded_admitted, 3) if padded_admitted else None
+
+    for row in rows:
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        block = f" (block {row['block_size']})" if row["block_size"] else ""
+        print(f"{row['name'] + block:18s} {row['bytes_per_live_token'] or 0:10.0f} bytes per live token "
+              f"(live {100 * row['kv_live_fraction']:5.1f}% of {row['kv_bytes_allocated'] / 2**20:8.1f} MiB, "
+              f"ideal {token_bytes} B)  admitted {row['admitted']:4d} of {num_requests} at "
+              f"{budget / 2**20:.0f} MiB (x{row['admitted_vs_padded']} padded), "
+              f"preemptions {row['preemptions']}", flush=True)
+    if not args.json:
+        print(f"({args.num_long} x {args.long_len}-token and {args.num_short} x {args.short_len}-token prompts, "
+              f"{args.max_tokens} tokens each; padded: the paged run's schedule, every running row reserved at "
+              f"the longest running row's prompt + max_tokens; admitted: peak running sequences, padded: "
+              f"budget // one row of {longest} tokens)", flush=True)
+    return 0

@@ -1,0 +1,422 @@
+"""`pagedlm bench throughput`: offline batched throughput, nano-vllm's workload.
+
+``--num-prompts`` prompts of random token ids, input and output lengths each
+uniform in ``[--min-len, --max-len]`` (seeded), end-of-sequence ignored, all
+handed to ``LLM.generate`` at once. Reported: total output tokens / elapsed
+seconds, the KV figures of the run (mean bytes allocated, mean bytes holding
+live tokens, their ratio, preemptions).
+
+Every configuration runs in the same process, on the same weights and the
+same prompts: the default store always; the paged store with ``--paged-kv``
+(its row gains ``ratio_vs_default``); transformers' continuous batching with
+``--against hf`` (every row gains ``hf_output_tok_s`` and ``ratio_vs_hf``).
+With ``--repeats N`` the configurations alternate run by run and the median
+is reported, so that ratios hold on a noisy machine.
+
+What is timed: ours, ``LLM.generate`` from the call to its return, after a
+small warm-up run on the same engine; transformers, from the first
+``add_request`` to the last finished result, inside a started (and, on CUDA,
+warmed-up) continuous batching manager, the machinery ``generate_batch``
+wraps; it runs each request with its own ``max_new_tokens`` and EOS off,
+exactly our workload. Where that API is missing, ``model.generate_batch`` runs
+with one ``max_new_tokens`` (the largest) and the row says so
+(``hf_api``); its tokens/s then counts the tokens it produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+import types
+from typing import Callable
+
+import torch
+
+from .. import options as opt
+
+Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
+
+
+def make_workload(num_prompts: int, min_len: int, max_len: int, seed: int, vocab_size: int) -> Workload:
+    """nano-vllm's bench: token ids uniform in [0, 10000) (or the vocabulary,
+    if smaller), input and output lengths each uniform in [min_len, max_len]."""
+    rng = random.Random(seed)
+    top = min(10000, vocab_size)
+    work = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(min_len, max_len)
+        prompt = [rng.randrange(top) for _ in range(n_in)]
+        work.append((prompt, rng.randint(min_len, max_len)))
+    return work
+
+
+def ensure_tqdm() -> None:
+    """``LLM.generate`` imports tqdm for its progress bar; a bench never shows
+    one, so a machine without tqdm gets a do-nothing stand-in."""
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        class _Bar:
+            def __init__(self, *a, **k): ...
+            def __enter__(self): return self
+            def __exit__(self, *a): return False
+            def update(self, n=1): ...
+        sys.modules["tqdm"] = types.SimpleNamespace(tqdm=_Bar)  # type: ignore[assignment]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def make_llm(model, tokenizer, options: opt.EngineOptions, max_model_len: int | None = None):
+    """An `LLM` over an already loaded model, with these engine options."""
+    from ..llm import LLM
+
+    paged = options.paged_kv
+    return LLM(model, tokenizer=tokenizer, paged_kv=paged is not None,
+               block_size=paged.block_size if paged is not None else None,
+               max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+               kv_budget_bytes=options.kv_budget_bytes, gpu_memory_fraction=options.gpu_memory_fraction,
+               max_model_len=max_model_len or options.max_model_len)
+
+
+@dataclasses.dataclass
+class Run:
+    seconds: float
+    output_tokens: int
+    stats: object = None  # KVStats (ours)
+    error: str | None = None
+    api: str | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: str) -> Callable[[], Run]:
+    """One engine for every repeat; warmed up once on a tiny batch."""
+    ensure_tqdm()
+    llm = make_llm(model, tokenizer, options)
+    prompts = [p for p, _ in work]
+    params = [opt.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p[:16] for p in prompts[:4]], opt.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    def run() -> Run:
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        expected = sum(n for _, n in work)
+        if produced != expected:
+            raise RuntimeError(f"the engine produced {produced} output tokens, {expected} were asked for")
+        return Run(dt, produced, llm.stats)
+
+    run.llm = llm  # type: ignore[attr-defined]
+    return run
+
+
+# ---------------------------------------------------------------------------
+# transformers
+
+
+def unfuse(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Our state dict under Hugging Face's names: split the fused q/k/v and
+    gate/up projections (``models/layers.py::FUSED_PROJECTIONS``) back apart."""
+    from ..models.layers import FUSED_PROJECTIONS
+
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    sizes = {"self_attn.qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+             "mlp.gate_up_proj": [config["intermediate_size"]] * 2}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        for fused, parts in FUSED_PROJECTIONS.items():
+            marker = f".{fused}."
+            if marker in key:
+                prefix, suffix = key.split(marker)
+                for part, piece in zip(parts, torch.split(tensor, sizes[fused], dim=0)):
+                    out[f"{prefix}.{part}.{suffix}"] = piece.contiguous()
+                break
+        else:
+            out[key] = tensor
+    return out
+
+
+def hf_model(spec: str, random_weights: bool, ours_model, device: str, dtype: torch.dtype):
+    """transformers' model on the same weights: the same folder, or for
+    ``--random-weights`` the same config with our tensors copied in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..loading import resolve
+
+    if not random_weights:
+        return AutoModelForCausalLM.from_pretrained(resolve(spec), dtype=dtype).to(device).eval()
+    from pathlib import Path
+
+    config_dict = json.loads((Path(spec) / "config.json").read_text())
+    config = AutoConfig.from_pretrained(spec)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = unfuse({k: v for k, v in ours_model.state_dict().items()}, config_dict)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config_dict.get("tie_word_embeddings"))]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not map onto transformers' model: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    if config_dict.get("tie_word_embeddings"):
+        hf.tie_weights()
+    return hf.eval()
+
+
+def hf_limits(engine, device: str) -> dict[str, int]:
+    """transformers' continuous batching sized like our engine on the CPU (the
+    same KV bytes, tokens per step and rows per step); there it would otherwise
+    size its cache from most of the machine's RAM. On CUDA it keeps its own
+    defaults (a share of free GPU memory, its own step sizes)."""
+    if device.startswith("cuda"):
+        return {}
+    page = 256
+    per_block = page * sum(engine.bytes_per_token)
+    return {"page_size": page, "num_blocks": max(1, engine.kv_budget_bytes // per_block),
+            "max_batch_tokens": engine.max_num_batched_tokens, "max_requests_per_batch": engine.max_num_seqs}
+
+
+def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
+              limits: dict[str, int] | None = None) -> Callable[[], Run]:
+    import inspect
+
+    from transformers import GenerationConfig
+
+    max_new = max(n for _, n in work)
+
+    def cb_config():
+        if not limits:
+            return None
+        from transformers import ContinuousBatchingConfig
+
+        known = inspect.signature(ContinuousBatchingConfig).parameters
+        return ContinuousBatchingConfig(**{k: v for k, v in limits.items() if k in known})
+
+    def config() -> GenerationConfig:
+        return GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)
+
+    def per_request() -> Run:
+        kwargs = {"generation_config": config(), "block": True, "timeout": 60}
+        params = inspect.signature(hf.continuous_batching_context_manager).parameters
+        if "warmup" in params:
+            kwargs["warmup"] = True  # builds the cache (and captures CUDA graphs) before the clock starts
+        if limits and "continuous_batching_config" in params:
+            kwargs["continuous_batching_config"] = cb_config()
+        with torch.inference_mode(), hf.continuous_batching_context_manager(**kwargs) as manager:
+            _sync(device)
+            t0 = time.perf_counter()
+            ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in work]
+            if any(i is None for i in ids):
+                raise RuntimeError("transformers' manager dropped a request")
+            done: dict[str, object] = {}
+            while len(done) < len(ids):
+                if timeout is not None and time.perf_counter() - t0 > timeout:
+                    if "hard_stop" in inspect.signature(manager.stop).parameters:
+                        manager.stop(block=False, hard_stop=True)
+                    raise TimeoutError(f"--hf-timeout: {len(done)}/{len(ids)} requests finished "
+                                       f"in {timeout:g} s")
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError(f"transformers' generation thread stopped after "
+                                           f"{len(done)}/{len(ids)} requests")
+                    continue
+                if result.is_finished():
+                    if getattr(result, "error", None):
+                        raise RuntimeError(f"transformers' request failed: {result.error}")
+                    done[result.request_id] = result
+            _sync(device)
+            dt = time.perf_counter() - t0
+        produced = sum(len(done[i].generated_tokens) for i in ids)
+        return Run(dt, produced, api="continuous_batching_manager")
+
+    def whole_batch() -> Run:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            extra = {"continuous_batching_config": cb_config()} if limits else {}
+            results = hf.generate_batch([p for p, _ in work], generation_config=config(), max_new_tokens=max_new,
+                                        **extra)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        produced = sum(len(r.generated_tokens) for r in results.values())
+        return Run(dt, produced, api=f"generate_batch(max_new_tokens={max_new} for all)")
+
+    use = [per_request if hasattr(hf, "continuous_batching_context_manager") else whole_batch]
+
+    def run() -> Run:
+        try:
+            return use[0]()
+        except Exception as e:  # noqa: BLE001 - reported in the row, the bench goes on
+            if use[0] is per_request:
+                use[0] = whole_batch
+                try:
+                    r = whole_batch()
+                    r.api += f" (per-request API failed: {type(e).__name__}: {str(e)[:200]})"
+                    return r
+                except Exception as e2:  # noqa: BLE001
+                    e = e2
+            return Run(0.0, 0, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+    return run
+
+
+# ---------------------------------------------------------------------------
+
+
+def _check(args) -> None:
+    opt.positive_int(args.num_prompts, "--num-prompts")
+    opt.positive_int(args.min_len, "--min-len")
+    opt.positive_int(args.max_len, "--max-len")
+    opt.positive_int(args.repeats, "--repeats")
+    if args.min_len > args.max_len:
+        raise opt.OptionError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
+    if args.hf_timeout is not None and not args.hf_timeout > 0:
+        raise opt.OptionError(f"--hf-timeout must be > 0 seconds (got {args.hf_timeout})")
+    if args.hf_num_prompts is not None:
+        opt.positive_int(args.hf_num_prompts, "--hf-num-prompts")
+        if args.against != "hf":
+            raise opt.OptionError("--hf-num-prompts needs --against hf")
+
+
+def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
+    from .decode import load_random
+
+    _check(args)
+    device = opt.resolve_device(args.device)
+    dtype = opt.resolve_dtype(args.dtype, device)
+    spec = args.model or opt.DEFAULT_MODEL
+    if args.random_weights:
+        model, tokenizer = load_random(spec, device, dtype)
+    else:
+        from ..loading import load
+
+        model, tokenizer = load(spec, device, dtype)
+    vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else 10000
+    work = make_workload(args.num_prompts, args.min_len, args.max_len, args.seed, vocab)
+    hf_work = work[: args.hf_num_prompts] if args.hf_num_prompts else work
+
+    paged = engine_options.paged_kv
+    configs: dict[str, opt.EngineOptions] = {"default": dataclasses.replace(engine_options, paged_kv=None)}
+    if paged is not None:
+        configs["paged"] = engine_options
+    runs: dict[str, list[Run]] = {name: [] for name in configs}
+    kv_capacity: dict[str, int] = {}
+    # One engine at a time: on CUDA the paged pool takes most free memory, and
+    # transformers' cache wants it after us.
+    engines = {}
+    for name, options in configs.items():
+        engines[name] = ours(model, tokenizer, options, work, device)
+        kv_capacity[name] = engines[name].llm.engine.kv_usage().capacity
+        limits = hf_limits(engines[name].llm.engine, device)
+        if device.startswith("cuda"):
+            for _ in range(args.repeats):
+                runs[name].append(engines[name]())
+            del engines[name]
+            _release(device)
+    hf_run = None
+    if args.against == "hf":
+        try:
+            hf = hf_model(spec, args.random_weights, model, device, dtype)
+            hf_run = hf_runner(hf, hf_work, device, args.hf_timeout, limits)
+            runs["hf"] = []
+        except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+            runs["hf"] = [Run(0.0, 0, error=f"{type(e).__name__}: {str(e)[:300]}")]
+    for _ in range(args.repeats):  # CPU: interleaved, run by run
+        for name, run in engines.items():
+            runs[name].append(run())
+        if hf_run is not None:
+            runs["hf"].append(hf_run())
+    _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, limits if hf_run else None)
+    return 0
+
+
+def _median_run(runs: list[Run]) -> Run:
+    ok = [r for r in runs if r.error is None]
+    if not ok:
+        return runs[0]
+    ok.sort(key=lambda r: r.tok_s)
+    return ok[(len(ok) - 1) // 2]
+
+
+def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, limits) -> None:
+    base = {
+        "model": spec, "random_weights": bool(args.random_weights), "device": device,
+        "dtype": str(dtype).removeprefix("torch."), "num_prompts": len(work),
+        "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed,
+        "input_tokens": sum(len(p) for p, _ in work), "requested_output_tokens": sum(n for _, n in work),
+        "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": platform.machine(),
+    }
+    hf = None
+    if "hf" in runs:
+        hf = _median_run(runs["hf"])
+    rows = []
+    for name in ("default", "paged"):
+        if name not in runs:
+            continue
+        r = _median_run(runs[name])
+        s = r.stats
+        row = {"name": f"pagedlm-{name}", **base, "store": name,
+               "block_size": paged.block_size if name == "paged" else None,
+               "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
+               "output_tokens": r.output_tokens,
+               "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
+               "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
+               "kv_live_fraction": round(s.live_fraction, 4),
+               "kv_bytes_padded": round(s.kv_bytes_padded),
+               "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated, "kv_capacity_bytes": kv_capacity[name],
+               "peak_running": s.peak_running, "steps": s.steps, "preemptions": s.preemptions}
+        if name == "paged":
+            row["ratio_vs_default"] = round(r.tok_s / _median_run(runs["default"]).tok_s, 3)
+        if hf is not None:
+            row["hf_output_tok_s"] = round(hf.tok_s, 2) if hf.error is None else None
+            row["hf_elapsed_s"] = round(hf.seconds, 3) if hf.error is None else None
+            row["hf_num_prompts"] = len(hf_work)
+            row["ratio_vs_hf"] = round(r.tok_s / hf.tok_s, 3) if hf.error is None and hf.tok_s else None
+            if hf.api:
+                row["hf_api"] = hf.api
+            if limits:
+                row["hf_cb_config"] = limits
+            if hf.error:
+                row["hf_error"] = hf.error
+        rows.append(row)
+    if hf is not None and hf.error is not None and not rows:
+        rows.append({"name": "hf", **base, "hf_error": hf.error})
+    for row in rows:
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        line = (f"{row['name']:16s} {row['num_prompts']} prompts, lengths {args.min_len}..{args.max_len}: "
+                f"{row['output_tokens']} output tokens in {row['elapsed_s']:.2f} s = "
+                f"{row['output_tok_s']:.1f} tok/s | KV live {100 * row['kv_live_fraction']:.1f}% of "
+                f"{row['kv_bytes_allocated'] / 2**20:.1f} MiB allocated (mean), "
+                f"preemptions {row['preemptions']}")
+        if "ratio_vs_default" in row:
+            line += f" | x{row['ratio_vs_default']} vs default"
+        if "hf_output_tok_s" in row:
+            if row["hf_output_tok_s"] is None:
+                line += f" | transformers failed: {row.get('hf_error')}"
+            else:
+                note = "" if row["hf_num_prompts"] == row["num_prompts"] else f" on {row['hf_num_prompts']} prompts"
+                line += (f" | transformers {row['hf_output_tok_s']:.1f} tok/s{note}: x{row['ratio_vs_hf']}")
+        print(line, flush=True)

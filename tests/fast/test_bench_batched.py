@@ -1,0 +1,114 @@
+"""`pagedlm bench throughput` and `bench memory` end to end on a tiny random-weight model.
+
+Rows and their sanity (live <= allocated, padded >= paged, ...), never timings.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedlm.cli import main
+
+TINY = {
+    "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return str(tmp_path)
+
+
+def _rows(capsys) -> list[dict]:
+    out = capsys.readouterr().out
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_throughput_json_rows(tiny, capsys):
+    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu",
+            "--num-prompts", "6", "--min-len", "4", "--max-len", "20", "--paged-kv",
+            "--paged-kv-block-size", "16", "--kv-budget-bytes", "8M", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [r["store"] for r in rows] == ["default", "paged"]
+    for r in rows:
+        for key in ("output_tok_s", "kv_bytes_allocated", "kv_bytes_live", "kv_live_fraction", "preemptions",
+                    "model", "device", "dtype", "num_prompts", "min_len", "max_len", "store", "elapsed_s"):
+            assert key in r, key
+        assert r["num_prompts"] == 6 and r["device"] == "cpu" and r["dtype"] == "float32"
+        assert r["output_tokens"] == r["requested_output_tokens"] > 0
+        assert r["output_tok_s"] > 0
+        assert 0 < r["kv_bytes_live"] <= r["kv_bytes_allocated"]
+        assert 0 < r["kv_live_fraction"] <= 1
+        assert r["preemptions"] == 0
+    default, paged = rows
+    assert paged["block_size"] == 16 and paged["ratio_vs_default"] > 0
+    assert paged["kv_bytes_live"] == default["kv_bytes_live"]  # the same tokens, the same schedule
+    assert paged["kv_bytes_allocated"] < default["kv_bytes_allocated"]  # 16-token blocks vs 256-token growth
+
+
+def test_throughput_against_hf_same_weights(tiny, capsys):
+    pytest.importorskip("transformers")
+    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu",
+            "--num-prompts", "3", "--min-len", "4", "--max-len", "8", "--kv-budget-bytes", "4M",
+            "--against", "hf", "--json"]
+    assert main(argv) == 0
+    (row,) = _rows(capsys)
+    assert row.get("hf_error") is None, row.get("hf_error")
+    assert row["hf_output_tok_s"] > 0 and row["ratio_vs_hf"] > 0
+    assert row["hf_num_prompts"] == 3
+
+
+def test_unfuse_inverts_fuse():
+    from pagedlm.bench.throughput import unfuse
+    from pagedlm.models import build_model
+    from pagedlm.models.layers import fuse_projections
+
+    model = build_model(TINY)
+    state = model.state_dict()
+    hf = unfuse(state, TINY)
+    assert "model.layers.0.self_attn.k_proj.weight" in hf and "model.layers.1.mlp.up_proj.weight" in hf
+    assert hf["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)
+    back = fuse_projections(hf)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_memory_json_rows(tiny, capsys):
+    argv = ["bench", "memory", "--model", tiny, "--random-weights", "--device", "cpu",
+            "--long-len", "300", "--short-len", "20", "--num-long", "2", "--num-short", "12",
+            "--max-tokens", "4", "--paged-kv", "--paged-kv-block-size", "16", "--json"]
+    assert main(argv) == 0
+    rows = {r["store"]: r for r in _rows(capsys)}
+    assert rows.keys() == {"default", "paged", "padded"}
+    budget = rows["paged"]["kv_budget_bytes"]
+    for r in rows.values():
+        assert r["kv_budget_bytes"] == budget
+        assert 0 < r["kv_bytes_live"] <= r["kv_bytes_allocated"]
+        assert r["bytes_per_live_token"] >= r["kv_bytes_per_token"]
+        assert r["admitted"] >= 1
+    paged, padded, default = rows["paged"], rows["padded"], rows["default"]
+    assert padded["kv_bytes_allocated"] >= paged["kv_bytes_allocated"]
+    assert padded["admitted"] == budget // padded["padded_row_bytes"]
+    assert paged["admitted"] >= default["admitted"] >= padded["admitted"]
+    assert paged["peak_kv_bytes_allocated"] <= budget
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "throughput", "--min-len", "9", "--max-len", "3"], "--min-len"),
+    (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
+    (["bench", "throughput", "--hf-num-prompts", "4"], "--against hf"),
+    (["bench", "memory", "--short-len", "900", "--long-len", "100"], "--short-len"),
+    (["bench", "memory", "--num-long", "-1"], "--num-long"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(argv + ["--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
