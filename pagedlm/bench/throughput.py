@@ -229,26 +229,31 @@ def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
             if any(i is None for i in ids):
                 raise RuntimeError("transformers' manager dropped a request")
             done: dict[str, object] = {}
-            while len(done) < len(ids):
-                if timeout is not None and time.perf_counter() - t0 > timeout:
-                    if "hard_stop" in inspect.signature(manager.stop).parameters:
-                        manager.stop(block=False, hard_stop=True)
-                    raise TimeoutError(f"--hf-timeout: {len(done)}/{len(ids)} requests finished "
-                                       f"in {timeout:g} s")
-                result = manager.get_result(timeout=1)
-                if result is None:
-                    if not manager.is_running():
-                        raise RuntimeError(f"transformers' generation thread stopped after "
-                                           f"{len(done)}/{len(ids)} requests")
-                    continue
-                if result.is_finished():
-                    if getattr(result, "error", None):
-                        raise RuntimeError(f"transformers' request failed: {result.error}")
-                    done[result.request_id] = result
+            try:
+                wait(manager, ids, done, t0)
+            except BaseException:
+                if "hard_stop" in inspect.signature(manager.stop).parameters:
+                    manager.stop(block=False, hard_stop=True)
+                raise
             _sync(device)
             dt = time.perf_counter() - t0
         produced = sum(len(done[i].generated_tokens) for i in ids)
         return Run(dt, produced, api="continuous_batching_manager")
+
+    def wait(manager, ids, done, t0) -> None:
+        while len(done) < len(ids):
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"--hf-timeout: {len(done)}/{len(ids)} requests finished in {timeout:g} s")
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"transformers' generation thread stopped after "
+                                       f"{len(done)}/{len(ids)} requests")
+                continue
+            if result.is_finished():
+                if getattr(result, "error", None):
+                    raise RuntimeError(f"transformers' request failed: {result.error}")
+                done[result.request_id] = result
 
     def whole_batch() -> Run:
         _sync(device)
@@ -268,7 +273,7 @@ def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
         try:
             return use[0]()
         except Exception as e:  # noqa: BLE001 - reported in the row, the bench goes on
-            if use[0] is per_request:
+            if use[0] is per_request and isinstance(e, (AttributeError, TypeError, NotImplementedError)):
                 use[0] = whole_batch
                 try:
                     r = whole_batch()
@@ -325,30 +330,38 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     # One engine at a time: on CUDA the paged pool takes most free memory, and
     # transformers' cache wants it after us.
     engines = {}
-    for name, options in configs.items():
-        engines[name] = ours(model, tokenizer, options, work, device)
-        kv_capacity[name] = engines[name].llm.engine.kv_usage().capacity
-        limits = hf_limits(engines[name].llm.engine, device)
-        if device.startswith("cuda"):
-            for _ in range(args.repeats):
-                runs[name].append(engines[name]())
-            del engines[name]
-            _release(device)
+    limits: dict[str, int] = {}
     hf_run = None
-    if args.against == "hf":
-        try:
-            hf = hf_model(spec, args.random_weights, model, device, dtype)
-            hf_run = hf_runner(hf, hf_work, device, args.hf_timeout, limits)
-            runs["hf"] = []
-        except Exception as e:  # noqa: BLE001 - reported, the bench goes on
-            runs["hf"] = [Run(0.0, 0, error=f"{type(e).__name__}: {str(e)[:300]}")]
-    for _ in range(args.repeats):  # CPU: interleaved, run by run
-        for name, run in engines.items():
-            runs[name].append(run())
-        if hf_run is not None:
-            runs["hf"].append(hf_run())
-    _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, limits if hf_run else None)
-    return 0
+    interrupted = False
+    try:  # Ctrl-C or SIGINT (a time limit): report what was measured
+        for name, options in configs.items():
+            engines[name] = ours(model, tokenizer, options, work, device)
+            kv_capacity[name] = engines[name].llm.engine.kv_usage().capacity
+            limits = hf_limits(engines[name].llm.engine, device)
+            if device.startswith("cuda"):
+                for _ in range(args.repeats):
+                    runs[name].append(engines[name]())
+                del engines[name]
+                _release(device)
+        if args.against == "hf":
+            try:
+                hf = hf_model(spec, args.random_weights, model, device, dtype)
+                hf_run = hf_runner(hf, hf_work, device, args.hf_timeout, limits)
+                runs["hf"] = []
+            except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+                runs["hf"] = [Run(0.0, 0, error=f"{type(e).__name__}: {str(e)[:300]}")]
+        for _ in range(args.repeats):  # CPU: interleaved, run by run
+            for name, run in engines.items():
+                runs[name].append(run())
+            if hf_run is not None:
+                runs["hf"].append(hf_run())
+    except KeyboardInterrupt:
+        interrupted = True
+        if args.against == "hf" and not runs.get("hf"):
+            runs["hf"] = [Run(0.0, 0, error="interrupted before transformers finished")]
+    _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity,
+            limits if hf_run else None, interrupted)
+    return 130 if interrupted else 0
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -359,7 +372,7 @@ def _median_run(runs: list[Run]) -> Run:
     return ok[(len(ok) - 1) // 2]
 
 
-def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, limits) -> None:
+def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, limits, interrupted=False) -> None:
     base = {
         "model": spec, "random_weights": bool(args.random_weights), "device": device,
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": len(work),
@@ -371,8 +384,12 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
     if "hf" in runs:
         hf = _median_run(runs["hf"])
     rows = []
+    if interrupted:
+        base["interrupted"] = True
     for name in ("default", "paged"):
-        if name not in runs:
+        if not runs.get(name):
+            if name in runs:
+                rows.append({"name": f"pagedlm-{name}", **base, "store": name, "error": "interrupted"})
             continue
         r = _median_run(runs[name])
         s = r.stats
@@ -386,7 +403,7 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
                "kv_bytes_padded": round(s.kv_bytes_padded),
                "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated, "kv_capacity_bytes": kv_capacity[name],
                "peak_running": s.peak_running, "steps": s.steps, "preemptions": s.preemptions}
-        if name == "paged":
+        if name == "paged" and runs.get("default"):
             row["ratio_vs_default"] = round(r.tok_s / _median_run(runs["default"]).tok_s, 3)
         if hf is not None:
             row["hf_output_tok_s"] = round(hf.tok_s, 2) if hf.error is None else None
@@ -405,6 +422,9 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
     for row in rows:
         if args.json:
             print(json.dumps(row), flush=True)
+            continue
+        if "error" in row:
+            print(f"{row['name']:16s} {row['error']}", flush=True)
             continue
         line = (f"{row['name']:16s} {row['num_prompts']} prompts, lengths {args.min_len}..{args.max_len}: "
                 f"{row['output_tokens']} output tokens in {row['elapsed_s']:.2f} s = "
