@@ -39,6 +39,9 @@ from .. import options as opt
 from .throughput import ensure_tqdm, make_llm
 
 
+MAX_STEP_TOKENS = 16384
+
+
 def _check(args) -> None:
     for name in ("short_len", "long_len", "num_short", "num_long", "max_tokens"):
         opt.positive_int(getattr(args, name), "--" + name.replace("_", "-"))
@@ -75,8 +78,14 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     budget = engine_options.kv_budget_bytes or 4 * padded_row
     paged = engine_options.paged_kv or opt.PagedKvOptions()
     num_requests = args.num_short + args.num_long
-    base_options = dataclasses.replace(engine_options, kv_budget_bytes=budget, gpu_memory_fraction=None,
-                                       max_num_seqs=engine_options.max_num_seqs or num_requests)
+    # Neither the row cap nor prefill chunking should limit concurrency here,
+    # only the KV budget: by default every request may run, and one step may
+    # take the whole workload's prompts (at most MAX_STEP_TOKENS).
+    step_tokens = min(MAX_STEP_TOKENS, args.num_long * args.long_len + args.num_short * args.short_len)
+    base_options = dataclasses.replace(
+        engine_options, kv_budget_bytes=budget, gpu_memory_fraction=None,
+        max_num_seqs=engine_options.max_num_seqs or num_requests,
+        max_num_batched_tokens=engine_options.max_num_batched_tokens or step_tokens)
 
     rng = random.Random(args.seed)
     top = min(10000, model.args.vocab_size)
@@ -99,7 +108,8 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
         "dtype": str(dtype).removeprefix("torch."), "num_short": args.num_short, "short_len": args.short_len,
         "num_long": args.num_long, "long_len": args.long_len, "max_tokens": args.max_tokens,
         "kv_budget_bytes": budget, "kv_bytes_per_token": token_bytes, "padded_row_bytes": padded_row,
-        "max_num_seqs": base_options.max_num_seqs, "machine": platform.machine(),
+        "max_num_seqs": base_options.max_num_seqs, "max_num_batched_tokens": base_options.max_num_batched_tokens,
+        "machine": platform.machine(),
     }
 
     def per_live_token(allocated: float, live: float) -> float | None:
