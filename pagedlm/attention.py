@@ -26,6 +26,29 @@ def attend_row(
     return out[0].transpose(0, 1)
 
 
+def attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, many sequences in one call (decode).
+
+    q: ``[B, H_q, D]``; k, v: ``[B, S, H_kv, D]``, each row's keys first and
+    zeros after them; mask: None (no row is padded) or bool ``[B, S]``, True
+    for a row's own keys. Returns ``[B, H_q, D]``. Padding contributes
+    exactly nothing (its weight is exp(-inf) = 0, times a zero value), so
+    two stores that pad the same rows to the same length agree to the bit.
+    """
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=None if mask is None else mask[:, None, None, :], scale=scale,
+        enable_gqa=k.shape[2] != q.shape[1],
+    )
+    return out[:, :, 0]
+
+
 def keep_sdpa_deterministic() -> None:
     """Turn cuDNN's SDPA backend off (called when an engine starts on CUDA).
 

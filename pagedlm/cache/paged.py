@@ -12,8 +12,10 @@ which blocks a sequence owns is the block manager's business
 (``batch.block_manager``), not the pool's.
 
 On this reference path ``gather`` copies one row's blocks into a contiguous
-``[seq_len, H_kv, D]`` tensor: the same shape, strides and values as the
-default store's ``KVCache`` fetch, hence the same attention bits.
+``[seq_len, H_kv, D]`` tensor (a prompt chunk), and ``gather_rows`` the
+decode rows' blocks into one ``[rows, longest, H_kv, D]`` tensor: the same
+shapes, strides and (unmasked) values as the default store's ``KVCache``
+fetches, hence the same attention bits.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class PagedPools:
         self.layers = list(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # empty, not zeros: a slot is read only after it was written.
+        # empty, not zeros: a slot is read only after it was written (padding
+        # past a row's end is zeroed by gather_rows, not read as it is).
         self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
 
@@ -64,3 +67,21 @@ class PagedPools:
         keys = k.index_select(0, table).view(-1, *k.shape[2:])[:seq_len]
         values = v.index_select(0, table).view(-1, *v.shape[2:])[:seq_len]
         return keys, values
+
+    def gather_rows(self, layer: int, block_tables: torch.Tensor, length: int,
+                    valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several rows' keys/values, ``[rows, length, H_kv, D]``, contiguous:
+        each row's blocks in order, cut at ``length`` (the longest row), and
+        zero where ``valid`` ``[rows, length]`` is False (past a row's end: a
+        masked NaN would still poison attention's weighted sum as 0 * NaN).
+        Zero padding is also what the default store pads with."""
+        rows = block_tables.shape[0]
+        n_blocks = -(-length // self.block_size)
+        table = block_tables[:, :n_blocks].clamp(min=0).reshape(-1)  # -1 pads read block 0, then zeroed
+        k, v = self.k[layer], self.v[layer]
+        keys = k.index_select(0, table).view(rows, -1, *k.shape[2:])[:, :length]
+        values = v.index_select(0, table).view(rows, -1, *v.shape[2:])[:, :length]
+        if valid is None:
+            return keys.contiguous(), values.contiguous()
+        keep = valid[:, :, None, None]
+        return torch.where(keep, keys, 0).contiguous(), torch.where(keep, values, 0).contiguous()

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedlm.attention import attend_row
+from torch.nn.utils.rnn import pad_sequence
+
+from pagedlm.attention import attend_row, attend_rows
 from pagedlm.cache.base import Cache
 from pagedlm.cache.kv import KVCache, RotatingKVCache, causal_mask
 
@@ -60,8 +62,7 @@ class KVStore:
         self.paged_layers = frozenset(pools.layers if pools is not None else ())
         self.rows: dict[int, list[Cache | None]] = {}
         self._fetched: dict[int, list] = {}  # layer -> per row (keys, values, mask), write to attend
-        self._masks: dict[int, torch.Tensor | None] = {}  # row -> causal mask, for this step's paged layers
-        self._masks_step: "StepBatch | None" = None
+        self._step_plan: _StepPlan | None = None
 
     # -- rows --------------------------------------------------------------
 
@@ -93,29 +94,91 @@ class KVStore:
         self._fetched[layer] = fetched
 
     def attend(self, layer: int, q: torch.Tensor, step: "StepBatch", *, scale: float) -> torch.Tensor:
-        bounds = step.query_start_host
-        if len(step.seq_ids) == 1 and layer not in self.paged_layers:
-            k, v, mask = self._fetched.pop(layer)[0]
-            return attend_row(q, k, v, mask, scale)
+        plan = self._plan(step, q.device)
+        fetched = self._fetched.pop(layer, None)  # None: a paged layer
+        if plan.single is not None:  # one row: its output is the whole output
+            if plan.decode:
+                return self._attend_rows(layer, q, plan, fetched, scale)
+            return self._attend_one(layer, q, step, 0, fetched, scale)
         out = torch.empty_like(q)
-        fetched = self._fetched.pop(layer, None)
-        for r in range(len(step.seq_ids)):
+        if plan.decode:
+            out[plan.decode_tokens] = self._attend_rows(layer, q[plan.decode_tokens], plan, fetched, scale)
+        bounds = step.query_start_host
+        for r in plan.prefill:
             a, b = bounds[r], bounds[r + 1]
-            if fetched is None:
-                seq_len = step.seq_lens_host[r]
-                k, v = self.pools.gather(layer, step.block_tables[r], seq_len)
-                mask = self._paged_mask(r, b - a, seq_len, step, q.device)
-            else:
-                k, v, mask = fetched[r]
-            out[a:b] = attend_row(q[a:b], k, v, mask, scale)
+            out[a:b] = self._attend_one(layer, q[a:b], step, r, fetched, scale)
         return out
 
-    def _paged_mask(self, row: int, n: int, seq_len: int, step: "StepBatch", device) -> torch.Tensor | None:
-        """The causal mask of a full-attention row, built once per step for all paged layers."""
-        if n == 1:
+    def _attend_one(self, layer, q, step, r, fetched, scale) -> torch.Tensor:
+        """A row with several queries (a prompt chunk): its keys, its mask, SDPA."""
+        if fetched is not None:
+            k, v, mask = fetched[r]
+        else:
+            seq_len = step.seq_lens_host[r]
+            k, v = self.pools.gather(layer, step.block_tables[r], seq_len)
+            n = step.query_start_host[r + 1] - step.query_start_host[r]
+            mask = self._plan(step, q.device).causal(r, n, seq_len)
+        return attend_row(q, k, v, mask, scale)
+
+    def _attend_rows(self, layer, q, plan, fetched, scale) -> torch.Tensor:
+        """Every row with one query (decode) in one SDPA call: keys padded with
+        zeros to the longest row, a key-padding mask when lengths differ."""
+        if fetched is not None:
+            keys = [fetched[r][0] for r in plan.decode]
+            values = [fetched[r][1] for r in plan.decode]
+            lengths = tuple(k.shape[0] for k in keys)
+            if len(keys) == 1:
+                k, v = keys[0][None], values[0][None]
+            else:
+                k, v = pad_sequence(keys, batch_first=True), pad_sequence(values, batch_first=True)
+        else:
+            lengths = plan.decode_lens
+            k, v = self.pools.gather_rows(layer, plan.decode_tables, max(lengths), plan.padding(lengths))
+        return attend_rows(q, k, v, plan.padding(lengths), scale)
+
+    def _plan(self, step: "StepBatch", device) -> "_StepPlan":
+        if self._step_plan is None or self._step_plan.step is not step:
+            self._step_plan = _StepPlan(step, device)
+        return self._step_plan
+
+
+class _StepPlan:
+    """What every layer of one step shares: which rows decode (one query)
+    and which prefill, and their masks, built once."""
+
+    def __init__(self, step: "StepBatch", device) -> None:
+        self.step, self.device = step, device
+        bounds = step.query_start_host
+        n_rows = len(step.seq_ids)
+        self.decode = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] == 1)
+        self.prefill = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] > 1)
+        self.single = 0 if n_rows == 1 else None
+        self.decode_tokens = torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=device)
+        self.decode_lens = tuple(step.seq_lens_host[r] for r in self.decode)
+        self._tables: torch.Tensor | None = None
+        self._masks: dict = {}
+
+    @property
+    def decode_tables(self) -> torch.Tensor:
+        """The decode rows' block tables (paged store)."""
+        if self._tables is None:
+            rows = torch.tensor(self.decode, dtype=torch.long, device=self.step.block_tables.device)
+            self._tables = self.step.block_tables.index_select(0, rows)
+        return self._tables
+
+    def causal(self, row: int, n: int, seq_len: int) -> torch.Tensor:
+        """A prompt chunk's causal mask, once per step for every paged layer."""
+        key = ("causal", row)
+        if key not in self._masks:
+            self._masks[key] = causal_mask(n, seq_len - n, self.device)
+        return self._masks[key]
+
+    def padding(self, lengths: tuple[int, ...]) -> torch.Tensor | None:
+        """Key-padding mask ``[rows, max(lengths)]``; None when no row is padded."""
+        longest = max(lengths)
+        if all(n == longest for n in lengths):
             return None
-        if self._masks_step is not step:
-            self._masks, self._masks_step = {}, step
-        if row not in self._masks:
-            self._masks[row] = causal_mask(n, seq_len - n, device)
-        return self._masks[row]
+        if lengths not in self._masks:
+            lens = torch.tensor(lengths, device=self.device)
+            self._masks[lengths] = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
+        return self._masks[lengths]
