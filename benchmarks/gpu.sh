@@ -11,5 +11,5 @@ python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.lo
 for cfg in gemma3-270m qwen3-0.6b llama-3.1-8b; do
   python3 -m pagedlm.cli bench decode --random-weights --model "benchmarks/configs/$cfg" \
     --device cuda --prompt-len 512 4096 --gen-len 64 --repeats 3 \
-    --paged-kv --paged-kv-block-size "${BLOCK:-256}" --kv-budget-bytes 16G --json 2>&1 | tee -a "$OUT/bench.jsonl"
+    --paged-kv --paged-kv-block-size "${BLOCK:-256}" --kv-budget-bytes 24G --json 2>&1 | tee -a "$OUT/bench.jsonl"
 done
