@@ -22,6 +22,7 @@ pytestmark = [
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 GEN = 48
 BUDGET = 2 << 30
+MAX_MODEL_LEN = 4096  # the pool must hold one sequence of it
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "gemma3-270m"])
@@ -36,7 +37,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run(model, tokenizer, **kw):
-    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=512, **kw)
+    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=512,
+              max_model_len=MAX_MODEL_LEN, **kw)
     outs = llm.generate(_prompts(tokenizer.vocab_size),
                         SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=1), use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -54,7 +56,8 @@ def test_paged_bf16_batch_equals_default_exactly(loaded):
 
 def test_paged_requests_leave_no_memory_behind(loaded):
     model, tokenizer = loaded
-    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, paged_kv=True, block_size=16)
+    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, paged_kv=True, block_size=16,
+              max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     llm.generate(_prompts(tokenizer.vocab_size), params, use_tqdm=False)
     torch.cuda.synchronize()
