@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-len", type=int, default=1024, help="longest prompt and output, tokens")
     t.add_argument("--seed", type=int, default=0, help="seeds the prompts and lengths")
     t.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved; medians reported")
+    t.add_argument("--stores", choices=["both", "paged"], default="both",
+                   help="with --paged-kv: run the default store too (both, the default) or only the paged one")
     t.add_argument("--against", choices=["hf"], default=None,
                    help="also run transformers' continuous batching on the same weights and prompts")
     t.add_argument("--hf-num-prompts", type=int, default=None, metavar="N",

@@ -137,10 +137,7 @@ class LLM:
         if not running:
             return 0
         longest = max(seq.max_len for seq in running)
-        engine = self.engine
-        per_row = sum(b * (longest if s.window is None else min(longest, s.window))
-                      for b, s in zip(engine.bytes_per_token, engine.specs))
-        return per_row * len(running)
+        return self.engine.live_bytes(longest) * len(running)
 
     def _output(self, prompt, ids, seqs: list[Sequence]) -> RequestOutput:
         outputs = [CompletionOutput(i, seq.text, list(seq.output_ids), seq.finish_reason, seq.logprobs)

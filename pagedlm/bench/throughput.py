@@ -322,7 +322,11 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     hf_work = work[: args.hf_num_prompts] if args.hf_num_prompts else work
 
     paged = engine_options.paged_kv
-    configs: dict[str, opt.EngineOptions] = {"default": dataclasses.replace(engine_options, paged_kv=None)}
+    if args.stores == "paged" and paged is None:
+        raise opt.OptionError("--stores paged needs --paged-kv")
+    configs: dict[str, opt.EngineOptions] = {}
+    if paged is None or args.stores == "both":
+        configs["default"] = dataclasses.replace(engine_options, paged_kv=None)
     if paged is not None:
         configs["paged"] = engine_options
     runs: dict[str, list[Run]] = {name: [] for name in configs}

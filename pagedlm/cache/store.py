@@ -60,6 +60,7 @@ class KVStore:
         self.specs = specs
         self.pools = pools
         self.paged_layers = frozenset(pools.layers if pools is not None else ())
+        self._row_layers = [i for i in range(len(specs)) if i not in self.paged_layers]
         self.rows: dict[int, list[Cache | None]] = {}
         self._fetched: dict[int, list] = {}  # layer -> per row (keys, values, mask), write to attend
         self._step_plan: _StepPlan | None = None
@@ -75,7 +76,9 @@ class KVStore:
         return self.rows.pop(seq_id)
 
     def row_bytes(self, seq_id: int) -> int:
-        return sum(c.nbytes for c in self.rows.get(seq_id, ()) if c is not None)
+        """Bytes of the sequence's own caches (the pools' blocks not included)."""
+        caches = self.rows.get(seq_id)
+        return sum(caches[i].nbytes for i in self._row_layers) if caches else 0
 
     # -- the protocol the model sees ---------------------------------------
 
