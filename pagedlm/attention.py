@@ -40,13 +40,19 @@ def attend_rows(
     for a row's own keys. Returns ``[B, H_q, D]``. Padding contributes
     exactly nothing (its weight is exp(-inf) = 0, times a zero value), so
     two stores that pad the same rows to the same length agree to the bit.
+
+    The query heads of a KV group become that KV head's queries (query head
+    ``h`` reads KV head ``h // group``, as ``enable_gqa`` means it): no copy
+    of the keys per query head, and a masked call stays on a fused kernel
+    (SDPA falls back to its unfused path for a mask with ``enable_gqa``).
     """
+    B, Hq, D = q.shape
+    Hkv = k.shape[2]
     out = F.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+        q.view(B, Hkv, Hq // Hkv, D), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=None if mask is None else mask[:, None, None, :], scale=scale,
-        enable_gqa=k.shape[2] != q.shape[1],
     )
-    return out[:, :, 0]
+    return out.reshape(B, Hq, D)
 
 
 def keep_sdpa_deterministic() -> None:

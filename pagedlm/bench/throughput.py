@@ -222,7 +222,9 @@ def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
             kwargs["warmup"] = True  # builds the cache (and captures CUDA graphs) before the clock starts
         if limits and "continuous_batching_config" in params:
             kwargs["continuous_batching_config"] = cb_config()
-        with torch.inference_mode(), hf.continuous_batching_context_manager(**kwargs) as manager:
+        # no_grad, not inference_mode: transformers' generation thread updates
+        # in place tensors made here, which inference tensors refuse.
+        with torch.no_grad(), hf.continuous_batching_context_manager(**kwargs) as manager:
             _sync(device)
             t0 = time.perf_counter()
             ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in work]
@@ -258,7 +260,7 @@ def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
     def whole_batch() -> Run:
         _sync(device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.no_grad():
             extra = {"continuous_batching_config": cb_config()} if limits else {}
             results = hf.generate_batch([p for p, _ in work], generation_config=config(), max_new_tokens=max_new,
                                         **extra)
