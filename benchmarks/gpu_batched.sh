@@ -5,9 +5,8 @@
 # continuous batching on the same weights and prompts, in one process.
 #
 # Usage (repository root, on the GPU machine):  PYTHONPATH=. bash benchmarks/gpu_batched.sh
-# Needs only torch, transformers, numpy, safetensors (no gguf, fastapi; tqdm
-# is stubbed by the bench when missing). Prints JSON rows; copies them under
-# $OUT when set.
+# Needs only torch, transformers, numpy, safetensors and tqdm (no gguf or
+# fastapi). Prints JSON rows; copies them under $OUT when set.
 #
 # Time: ours is eager and launch-bound (~15-25 ms a step; ~1,000+ steps at
 # up to 256 rows: about a minute per store with prefill). transformers runs

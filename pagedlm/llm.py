@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import options as opt
 from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
+from .cache.store import kv_bytes
 from .options import EngineOptions, PagedKvOptions, SamplingParams
 
 
@@ -137,7 +138,7 @@ class LLM:
         if not running:
             return 0
         longest = max(seq.max_len for seq in running)
-        return self.engine.live_bytes(longest) * len(running)
+        return kv_bytes(self.engine.specs, self.engine.bytes_per_token, [longest]) * len(running)
 
     def _output(self, prompt, ids, seqs: list[Sequence]) -> RequestOutput:
         outputs = [CompletionOutput(i, seq.text, list(seq.output_ids), seq.finish_reason, seq.logprobs)

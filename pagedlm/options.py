@@ -280,22 +280,24 @@ DEVICE_DEFAULTS = {
 
 
 @dataclass(frozen=True)
-class EngineFlag:
-    name: str  # attribute of EngineOptions
+class Flag:
+    """One option: its attribute name, environment variable, parser and help."""
+
+    name: str
     env: str
     parse: Callable[[str], object]
     help: str
 
 
-ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag("max_num_seqs", "PAGEDLM_MAX_NUM_SEQS", lambda t: positive_int(t, "--max-num-seqs"),
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    Flag("max_num_seqs", "PAGEDLM_MAX_NUM_SEQS", lambda t: positive_int(t, "--max-num-seqs"),
                "sequences per step (default: 64 on CPU, 256 on CUDA)"),
-    EngineFlag("max_num_batched_tokens", "PAGEDLM_MAX_NUM_BATCHED_TOKENS",
+    Flag("max_num_batched_tokens", "PAGEDLM_MAX_NUM_BATCHED_TOKENS",
                lambda t: positive_int(t, "--max-num-batched-tokens"),
                "new tokens per step; longer prompts prefill in chunks (default: 512 on CPU, 8192 on CUDA)"),
-    EngineFlag("kv_budget_bytes", "PAGEDLM_KV_BUDGET_BYTES", lambda t: _byte_count(t, "--kv-budget-bytes"),
+    Flag("kv_budget_bytes", "PAGEDLM_KV_BUDGET_BYTES", lambda t: _byte_count(t, "--kv-budget-bytes"),
                "KV bytes for all live sequences, e.g. 4G (default: 2G on CPU; on CUDA see --gpu-memory-fraction)"),
-    EngineFlag("gpu_memory_fraction", "PAGEDLM_GPU_MEMORY_FRACTION",
+    Flag("gpu_memory_fraction", "PAGEDLM_GPU_MEMORY_FRACTION",
                lambda t: _fraction(t, "--gpu-memory-fraction"),
                "CUDA: KV budget as a fraction of the memory free after loading weights (default 0.9)"),
 )
@@ -329,14 +331,6 @@ def resolve_engine_options(
 # default, so that the CLI, the startup log and docs/server-config.md agree.
 
 
-@dataclass(frozen=True)
-class ServerFlag:
-    name: str  # attribute of ServerOptions
-    env: str
-    parse: Callable[[str], object]
-    help: str
-
-
 def _nonneg_int(text: str | int, name: str) -> int:
     try:
         value = int(text)
@@ -354,20 +348,20 @@ def _port(text: str | int) -> int:
     return value
 
 
-SERVER_FLAGS: tuple[ServerFlag, ...] = (
-    ServerFlag("model", "PAGEDLM_MODEL", str, "model: built-in name, .gguf path or HF folder"),
-    ServerFlag("host", "PAGEDLM_HOST", str, "address to bind (loopback by default)"),
-    ServerFlag("port", "PAGEDLM_PORT", _port, "port to listen on"),
-    ServerFlag("device", "PAGEDLM_DEVICE", str, "auto, cpu or cuda"),
-    ServerFlag("dtype", "PAGEDLM_DTYPE", str, "auto, float32, bfloat16 or float16"),
-    ServerFlag("prompt_cache_bytes", "PAGEDLM_PROMPT_CACHE_BYTES",
+SERVER_FLAGS: tuple[Flag, ...] = (
+    Flag("model", "PAGEDLM_MODEL", str, "model: built-in name, .gguf path or HF folder"),
+    Flag("host", "PAGEDLM_HOST", str, "address to bind (loopback by default)"),
+    Flag("port", "PAGEDLM_PORT", _port, "port to listen on"),
+    Flag("device", "PAGEDLM_DEVICE", str, "auto, cpu or cuda"),
+    Flag("dtype", "PAGEDLM_DTYPE", str, "auto, float32, bfloat16 or float16"),
+    Flag("prompt_cache_bytes", "PAGEDLM_PROMPT_CACHE_BYTES",
                lambda t: _nonneg_int(t, "--prompt-cache-bytes"),
                "bytes of KV the prompt cache may keep (0 turns it off)"),
-    ServerFlag("max_queue", "PAGEDLM_MAX_QUEUE", lambda t: _nonneg_int(t, "--max-queue"),
+    Flag("max_queue", "PAGEDLM_MAX_QUEUE", lambda t: _nonneg_int(t, "--max-queue"),
                "sequences that may wait for the engine to admit them; past it, 503"),
-    ServerFlag("api_key", "PAGEDLM_API_KEY", lambda t: t or None,
+    Flag("api_key", "PAGEDLM_API_KEY", lambda t: t or None,
                "require Authorization: Bearer KEY (empty: no authentication)"),
-    ServerFlag("max_model_len", "PAGEDLM_MAX_MODEL_LEN",
+    Flag("max_model_len", "PAGEDLM_MAX_MODEL_LEN",
                lambda t: positive_int(t, "--max-model-len"),
                "context length limit (prompt + max_tokens); default: the model's"),
 )

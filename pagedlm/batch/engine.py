@@ -15,7 +15,6 @@ through here.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -25,13 +24,13 @@ import torch
 from pagedlm.attention import keep_sdpa_deterministic
 from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.prompt import PromptCache
-from pagedlm.cache.store import KVStore
+from pagedlm.cache.store import KVStore, kv_bytes
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
 from pagedlm.sampling import logprobs_of, sample
 
 from .block_manager import BlockManager
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus, TokenLogprob
+from .sequence import Sequence, TokenLogprob
 from .step import prepare_step
 
 if TYPE_CHECKING:
@@ -264,27 +263,12 @@ class LLMEngine:
 
     def kv_usage(self) -> KVUsage:
         running = self.scheduler.running
-        live = sum(self.live_bytes(seq.num_computed) for seq in running)
+        live = kv_bytes(self.specs, self.bytes_per_token, [seq.num_computed for seq in running])
         rows = sum(self.store.row_bytes(seq.seq_id) for seq in running)
         if self.blocks is not None:
             per_block = self.store.pools.nbytes // self.blocks.num_blocks
             return KVUsage(rows + self.blocks.num_used * per_block, live, self.store.pools.nbytes)
         return KVUsage(rows, live, self.kv_budget_bytes)
-
-    def live_bytes(self, n: int) -> int:
-        """KV bytes a sequence of ``n`` stored tokens attends to (sliding layers: its window)."""
-        full, windows = self._bytes_by_window
-        return full * n + sum(b * min(n, w) for w, b in windows)
-
-    @functools.cached_property
-    def _bytes_by_window(self) -> tuple[int, list[tuple[int, int]]]:
-        full, windows = 0, {}
-        for b, spec in zip(self.bytes_per_token, self.specs):
-            if spec.window is None:
-                full += b
-            else:
-                windows[spec.window] = windows.get(spec.window, 0) + b
-        return full, sorted(windows.items())
 
     @property
     def num_preemptions(self) -> int:

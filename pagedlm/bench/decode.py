@@ -87,6 +87,21 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
     return model, _SyntheticTokenizer(config["vocab_size"])
 
 
+def load_for_bench(args):
+    """``(model, tokenizer, device, dtype, spec)`` for a bench's ``--model``,
+    ``--device``, ``--dtype`` and ``--random-weights``."""
+    device = opt.resolve_device(args.device)
+    dtype = opt.resolve_dtype(args.dtype, device)
+    spec = args.model or opt.DEFAULT_MODEL
+    if args.random_weights:
+        model, tokenizer = load_random(spec, device, dtype)
+    else:
+        from ..loading import load
+
+        model, tokenizer = load(spec, device, dtype)
+    return model, tokenizer, device, dtype, spec
+
+
 def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> Callable:
     from ..batch.engine import LLMEngine
 
@@ -130,21 +145,15 @@ def _hf(folder, device: str, dtype: torch.dtype, gen_len: int) -> Callable:
 
 
 def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
-    from ..loading import load, resolve
+    from ..loading import resolve
 
-    device = opt.resolve_device(args.device)
-    dtype = opt.resolve_dtype(args.dtype, device)
-    spec = args.model or opt.DEFAULT_MODEL
     if args.gen_len < 2:
         raise opt.OptionError("--gen-len must be >= 2")
     for n in args.prompt_len:
         opt.positive_int(n, "--prompt-len")
-    if args.random_weights:
-        if args.against == "hf":
-            raise opt.OptionError("--against hf needs real weights, not --random-weights")
-        model, tokenizer = load_random(spec, device, dtype)
-    else:
-        model, tokenizer = load(spec, device, dtype)
+    if args.random_weights and args.against == "hf":
+        raise opt.OptionError("--against hf needs real weights, not --random-weights")
+    model, tokenizer, device, dtype, spec = load_for_bench(args)
     paged = engine_options.paged_kv
     default = dataclasses.replace(engine_options, paged_kv=None)
     runners: dict[str, Callable] = {"default": _ours(model, tokenizer, default, args.gen_len)}

@@ -36,7 +36,8 @@ import random
 import torch
 
 from .. import options as opt
-from .throughput import ensure_tqdm, make_llm
+from ..cache.store import kv_bytes
+from .throughput import make_llm
 
 
 MAX_STEP_TOKENS = 16384
@@ -49,32 +50,18 @@ def _check(args) -> None:
         raise opt.OptionError(f"--short-len ({args.short_len}) must be <= --long-len ({args.long_len})")
 
 
-def row_bytes(specs, bytes_per_token: list[int], length: int) -> int:
-    """One row of ``length`` tokens across all layers (sliding layers hold at most their window)."""
-    return sum(b * (length if s.window is None else min(length, s.window)) for b, s in zip(bytes_per_token, specs))
-
-
 def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import load_random
+    from .decode import load_for_bench
 
     _check(args)
-    device = opt.resolve_device(args.device)
-    dtype = opt.resolve_dtype(args.dtype, device)
-    spec = args.model or opt.DEFAULT_MODEL
-    if args.random_weights:
-        model, tokenizer = load_random(spec, device, dtype)
-    else:
-        from ..loading import load
-
-        model, tokenizer = load(spec, device, dtype)
-    ensure_tqdm()
+    model, tokenizer, device, dtype, spec = load_for_bench(args)
 
     specs = model.kv_spec()
     elem = torch.finfo(dtype).bits // 8
     bytes_per_token = [2 * s.num_kv_heads * s.head_dim * elem for s in specs]
     token_bytes = sum(bytes_per_token)
     longest = args.long_len + args.max_tokens
-    padded_row = row_bytes(specs, bytes_per_token, longest)
+    padded_row = kv_bytes(specs, bytes_per_token, [longest])
     budget = engine_options.kv_budget_bytes or 4 * padded_row
     paged = engine_options.paged_kv or opt.PagedKvOptions()
     num_requests = args.num_short + args.num_long

@@ -30,10 +30,7 @@ import gc
 import json
 import platform
 import random
-import statistics
-import sys
 import time
-import types
 from typing import Callable
 
 import torch
@@ -54,20 +51,6 @@ def make_workload(num_prompts: int, min_len: int, max_len: int, seed: int, vocab
         prompt = [rng.randrange(top) for _ in range(n_in)]
         work.append((prompt, rng.randint(min_len, max_len)))
     return work
-
-
-def ensure_tqdm() -> None:
-    """``LLM.generate`` imports tqdm for its progress bar; a bench never shows
-    one, so a machine without tqdm gets a do-nothing stand-in."""
-    try:
-        import tqdm  # noqa: F401
-    except ImportError:
-        class _Bar:
-            def __init__(self, *a, **k): ...
-            def __enter__(self): return self
-            def __exit__(self, *a): return False
-            def update(self, n=1): ...
-        sys.modules["tqdm"] = types.SimpleNamespace(tqdm=_Bar)  # type: ignore[assignment]
 
 
 def _sync(device: str) -> None:
@@ -108,7 +91,6 @@ class Run:
 
 def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: str) -> Callable[[], Run]:
     """One engine for every repeat; warmed up once on a tiny batch."""
-    ensure_tqdm()
     llm = make_llm(model, tokenizer, options)
     prompts = [p for p, _ in work]
     params = [opt.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
@@ -307,18 +289,10 @@ def _check(args) -> None:
 
 
 def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import load_random
+    from .decode import load_for_bench
 
     _check(args)
-    device = opt.resolve_device(args.device)
-    dtype = opt.resolve_dtype(args.dtype, device)
-    spec = args.model or opt.DEFAULT_MODEL
-    if args.random_weights:
-        model, tokenizer = load_random(spec, device, dtype)
-    else:
-        from ..loading import load
-
-        model, tokenizer = load(spec, device, dtype)
+    model, tokenizer, device, dtype, spec = load_for_bench(args)
     vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else 10000
     work = make_workload(args.num_prompts, args.min_len, args.max_len, args.seed, vocab)
     hf_work = work[: args.hf_num_prompts] if args.hf_num_prompts else work

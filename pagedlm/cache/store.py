@@ -47,6 +47,21 @@ class KVSpec:
     window: int | None = None
 
 
+def kv_bytes(specs: list[KVSpec], bytes_per_token: list[int], lengths: list[int]) -> int:
+    """KV bytes that sequences of these lengths attend to, all layers: a
+    full layer holds every token, a sliding one at most its window."""
+    total, windowed = sum(lengths), {}
+    out = 0
+    for b, s in zip(bytes_per_token, specs):
+        if s.window is None:
+            out += b * total
+        else:
+            if s.window not in windowed:
+                windowed[s.window] = sum(min(n, s.window) for n in lengths)
+            out += b * windowed[s.window]
+    return out
+
+
 def make_row_caches(specs: list[KVSpec], paged_layers: frozenset[int] = frozenset()) -> list[Cache | None]:
     """One sequence's per-layer caches; None for the layers the pools hold."""
     return [

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from pagedlm.loading import gguf as conv
 from pagedlm.models import build_model
@@ -19,9 +20,9 @@ CHATML = (  # SmolLM2's template, without its default system turn
 )
 
 
-def tiny_tokenizer() -> Tokenizer:
+def byte_level() -> HFTokenizer:
     """Byte-level BPE as the GGUF converter builds it: 3 control tokens, 256
-    bytes, a few merges; ChatML chat template; EOS <|im_end|>."""
+    bytes, a few merges."""
     alphabet = list(conv.bytes_to_unicode().values())
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, "he", "ll", "hell", "hello"]
     md = {
@@ -31,8 +32,13 @@ def tiny_tokenizer() -> Tokenizer:
         "tokenizer.ggml.token_type": [conv.CONTROL] * 3 + [conv.NORMAL] * (len(tokens) - 3),
         "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o"],
     }
-    tk = conv.build_tokenizer(conv.GgufFile(Path("x"), md, []))
-    return Tokenizer(tk, bos_token=None, eos_token="<|im_end|>", add_bos_token=False, chat_template=CHATML)
+    return conv.build_tokenizer(conv.GgufFile(Path("x"), md, []))
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """`byte_level` with ChatML's template; EOS <|im_end|>."""
+    return Tokenizer(byte_level(), bos_token=None, eos_token="<|im_end|>", add_bos_token=False,
+                     chat_template=CHATML)
 
 
 def tiny_model(vocab_size: int, family: str = "llama", seed: int = 0) -> torch.nn.Module:

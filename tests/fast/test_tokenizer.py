@@ -16,6 +16,7 @@ from tokenizers.processors import TemplateProcessing
 
 from pagedlm.loading import gguf as conv
 from pagedlm.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
+from tests.fast.conftest import byte_level
 
 SMOLLM_TEMPLATE = (  # tokenizer.chat_template of the SmolLM2 GGUF
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -23,20 +24,6 @@ SMOLLM_TEMPLATE = (  # tokenizer.chat_template of the SmolLM2 GGUF
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def byte_level() -> HFTokenizer:
-    """gpt2-style: 256 byte tokens, a couple of merges, control tokens."""
-    alphabet = list(conv.bytes_to_unicode().values())
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, "he", "ll", "hell", "hello"]
-    md = {
-        "general.architecture": "llama",
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [conv.CONTROL] * 3 + [conv.NORMAL] * (len(tokens) - 3),
-        "tokenizer.ggml.merges": ["h e", "l l", "he ll", "hell o"],
-    }
-    return conv.build_tokenizer(conv.GgufFile(Path("x"), md, []))
 
 
 def sentencepiece() -> HFTokenizer:
