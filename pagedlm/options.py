@@ -15,9 +15,14 @@ from typing import Callable, Mapping
 
 import torch
 
+from pagedlm.kernels.quant import MODES
+
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_BLOCK_SIZE = 256  # = KVCache.STEP: v1's growth granularity, permuted into reusable slots
 PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
+QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
+QUANTIZATIONS = MODES  # none, int8, int4
+DEFAULT_QUANTIZATION = "none"
 
 
 class OptionError(ValueError):
@@ -113,6 +118,22 @@ def resolve_paged_kv(
     if not on:
         return None
     return PagedKvOptions(block_size=block_size or DEFAULT_BLOCK_SIZE)
+
+
+def check_quantization(mode: object, name: str = "--quantization") -> str:
+    if mode not in QUANTIZATIONS:
+        raise OptionError(f"{name} must be {', '.join(QUANTIZATIONS)} (got {mode!r})")
+    return mode
+
+
+def resolve_quantization(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """Explicit --quantization > explicit PAGEDLM_QUANTIZATION > default ("none")."""
+    if flag is not None:
+        return check_quantization(flag)
+    raw = (os.environ if environ is None else environ).get(QUANTIZATION_ENV)
+    if raw:
+        return check_quantization(raw.strip().lower(), QUANTIZATION_ENV)
+    return DEFAULT_QUANTIZATION
 
 
 def resolve_device(device: str | None) -> str:
