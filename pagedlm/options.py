@@ -225,6 +225,8 @@ SERVER_FLAGS: tuple[ServerFlag, ...] = (
     ServerFlag("port", "PAGEDLM_PORT", _port, "port to listen on"),
     ServerFlag("device", "PAGEDLM_DEVICE", str, "auto, cpu or cuda"),
     ServerFlag("dtype", "PAGEDLM_DTYPE", str, "auto, float32, bfloat16 or float16"),
+    ServerFlag("quantization", QUANTIZATION_ENV, check_quantization,
+               "weight-only quantization: none, int8 or int4"),
     ServerFlag("prompt_cache_bytes", "PAGEDLM_PROMPT_CACHE_BYTES",
                lambda t: _nonneg_int(t, "--prompt-cache-bytes"),
                "bytes of KV the prompt cache may keep (0 turns it off)"),
@@ -244,6 +246,7 @@ class ServerOptions:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = DEFAULT_QUANTIZATION
     prompt_cache_bytes: int = 2 * 1024**3
     max_queue: int = 16
     api_key: str | None = None

@@ -136,3 +136,19 @@ def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dt
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters and buffers the model holds (quantized or not)."""
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+    """Quantize a loaded float model in place (random-weight benches, tests);
+    real models are converted once through the cache by ``load_quantized``."""
+    from pagedlm.models.layers import Embedding
+
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    for module in quantizable(model).values():
+        w = module.weight.detach()
+        is_embedding = isinstance(module, Embedding)
+        quant = QuantizedWeight.from_stored({k: v.cpu() for k, v in quantize(w.cpu(), mode).items()},
+                                            tuple(w.shape), w.device, rows=is_embedding,
+                                            linear=not is_embedding or tied)
+        module.set_quantized(quant, w.dtype)
+    return model
