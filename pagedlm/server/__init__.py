@@ -49,6 +49,7 @@ def effective_config(options: ServerOptions, device: str, dtype, max_model_len: 
         f"port = {options.port}",
         f"device = {device}",
         f"dtype = {str(dtype).removeprefix('torch.')}",
+        f"quantization = {options.quantization}",
         f"paged_kv = {paged}",
         f"prompt_cache_bytes = {options.prompt_cache_bytes}"
         + (" (off)" if options.prompt_cache_bytes == 0 else ""),
@@ -73,7 +74,7 @@ def run(options: ServerOptions) -> int:
     _setup_logging()
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    model, tokenizer = load(options.model, device, dtype)
+    model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
     context = model_context_length(model, options.model)
     max_model_len = options.max_model_len or context
     if max_model_len > context:
