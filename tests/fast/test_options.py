@@ -9,7 +9,7 @@ def test_paged_kv_is_off_by_default():
 
 
 def test_env_turns_paged_kv_on_and_flag_overrides_env():
-    assert opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "1"}) == opt.PagedKvOptions(256)
+    assert opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "1"}) == opt.PagedKvOptions(opt.DEFAULT_BLOCK_SIZE)
     assert opt.resolve_paged_kv(False, None, {"PAGEDLM_PAGED_KV": "1"}) is None
     assert opt.resolve_paged_kv(True, "16", {"PAGEDLM_PAGED_KV": "0"}) == opt.PagedKvOptions(16)
     assert opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "0"}) is None
