@@ -36,10 +36,11 @@ def attend_rows(
     """One query per sequence, many sequences in one call (decode).
 
     q: ``[B, H_q, D]``; k, v: ``[B, S, H_kv, D]``, each row's keys first and
-    zeros after them; mask: None (no row is padded) or bool ``[B, S]``, True
-    for a row's own keys. Returns ``[B, H_q, D]``. Padding contributes
-    exactly nothing (its weight is exp(-inf) = 0, times a zero value), so
-    two stores that pad the same rows to the same length agree to the bit.
+    finite padding after them; mask: None (no row is padded) or bool
+    ``[B, S]``, True for a row's own keys. Returns ``[B, H_q, D]``. Padding
+    contributes exactly nothing (its weight is exp(-inf) = 0, times a finite
+    value), so two stores that pad the same rows to the same length agree to
+    the bit whatever their padding holds.
 
     The query heads of a KV group become that KV head's queries (query head
     ``h`` reads KV head ``h // group``, as ``enable_gqa`` means it): no copy

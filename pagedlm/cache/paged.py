@@ -39,10 +39,12 @@ class PagedPools:
         self.layers = list(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # empty, not zeros: a slot is read only after it was written (padding
-        # past a row's end is zeroed by gather_rows, not read as it is).
-        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        # zeros, not empty: a batched decode reads the slots past a row's end
+        # as padding, which attention masks out; a masked weight is exactly 0,
+        # and 0 times a finite value adds nothing, but 0 * NaN (uninitialized
+        # memory) would poison the row. Written slots hold finite keys.
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -68,20 +70,15 @@ class PagedPools:
         values = v.index_select(0, table).view(-1, *v.shape[2:])[:seq_len]
         return keys, values
 
-    def gather_rows(self, layer: int, block_tables: torch.Tensor, length: int,
-                    valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_rows(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Several rows' keys/values, ``[rows, length, H_kv, D]``, contiguous:
-        each row's blocks in order, cut at ``length`` (the longest row), and
-        zero where ``valid`` ``[rows, length]`` is False (past a row's end: a
-        masked NaN would still poison attention's weighted sum as 0 * NaN).
-        Zero padding is also what the default store pads with."""
+        each row's blocks in order, cut at ``length`` (the longest row). Past
+        a row's own end the values are stale or zero (finite: see __init__),
+        for the caller's mask to hide; padded table entries (-1) read block 0."""
         rows = block_tables.shape[0]
         n_blocks = -(-length // self.block_size)
-        table = block_tables[:, :n_blocks].clamp(min=0).reshape(-1)  # -1 pads read block 0, then zeroed
+        table = block_tables[:, :n_blocks].clamp(min=0).reshape(-1)
         k, v = self.k[layer], self.v[layer]
-        keys = k.index_select(0, table).view(rows, -1, *k.shape[2:])[:, :length]
-        values = v.index_select(0, table).view(rows, -1, *v.shape[2:])[:, :length]
-        if valid is None:
-            return keys.contiguous(), values.contiguous()
-        keep = valid[:, :, None, None]
-        return torch.where(keep, keys, 0).contiguous(), torch.where(keep, values, 0).contiguous()
+        keys = k.index_select(0, table).view(rows, -1, *k.shape[2:])[:, :length].contiguous()
+        values = v.index_select(0, table).view(rows, -1, *v.shape[2:])[:, :length].contiguous()
+        return keys, values

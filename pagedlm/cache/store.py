@@ -151,7 +151,7 @@ class KVStore:
                 k, v = pad_sequence(keys, batch_first=True), pad_sequence(values, batch_first=True)
         else:
             lengths = plan.decode_lens
-            k, v = self.pools.gather_rows(layer, plan.decode_tables, max(lengths), plan.padding(lengths))
+            k, v = self.pools.gather_rows(layer, plan.decode_tables, max(lengths))
         return attend_rows(q, k, v, plan.padding(lengths), scale)
 
     def _plan(self, step: "StepBatch", device) -> "_StepPlan":

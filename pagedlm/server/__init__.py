@@ -77,6 +77,7 @@ def run(options: ServerOptions) -> int:
 
     from .app import build_app
     from .engine import Engine
+    from .http import JSONErrorH11Protocol
     from .loop import EngineLoop
     from .metrics import Metrics
 
@@ -100,7 +101,7 @@ def run(options: ServerOptions) -> int:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it",
                     options.host)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                            timeout_graceful_shutdown=5)
+                            http=JSONErrorH11Protocol, timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -380,6 +380,21 @@ def test_bad_input_is_a_clean_4xx(a, case):
         assert error["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("framing", [b"Content-Length: -5\r\n", b"Content-Length: x\r\n"])
+def test_broken_http_framing_is_a_json_400(a, framing):
+    """uvicorn refuses these before the app sees them; the answer is still OpenAI's error shape."""
+    host, port = a.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "malformed HTTP request" in error["message"]
+
+
 def test_wrong_method_is_405(a):
     r = httpx.get(a.url + "/v1/completions", headers=AUTH)
     assert r.status_code == 405 and "error" in r.json()
