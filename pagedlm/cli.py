@@ -30,6 +30,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=f"built-in name, .gguf file or HF folder (default {opt.DEFAULT_MODEL})")
     p.add_argument("--device", default=None, help="auto (default), cpu or cuda")
     p.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    _add_quantization_arg(p)
+
+
+def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default=None, metavar="{" + ",".join(opt.QUANTIZATIONS) + "}",
+                   help=f"weight-only quantization of linear layers and embedding "
+                        f"(env {opt.QUANTIZATION_ENV}; default {opt.DEFAULT_QUANTIZATION})")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, nargs="+", default=[256], help="one or more prompt lengths")
     d.add_argument("--gen-len", type=int, default=64)
     d.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
-    d.add_argument("--against", choices=["hf"], default=None,
-                   help="also time transformers' generate on the same weights, interleaved")
+    d.add_argument("--against", choices=["hf", "llama.cpp"], default=None,
+                   help="also time transformers' generate on the same weights (hf) or "
+                        "llama-cpp-python on the same GGUF (llama.cpp), interleaved")
     d.add_argument("--random-weights", action="store_true",
                    help="--model is a folder with a config.json: random weights of that shape")
     d.add_argument("--json", action="store_true", help="one JSON object per configuration")
@@ -133,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--model is a folder with a config.json: random weights of that shape")
     m.add_argument("--json", action="store_true", help="one JSON object per store")
 
+    pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
+                         "none against --quantization")
+    _add_model_args(pp)
+    pp.set_defaults(quantization_help="comma list allowed: int8,int4")
+    pp.add_argument("--tokens", default=20480, help="text tokens to score (default 20480)")
+    pp.add_argument("--window", default=1024, help="tokens per window, BOS included (default 1024)")
+    pp.add_argument("--json", action="store_true", help="one JSON object per quantization mode")
+
     sub.add_parser("models", help="list built-in models")
     return parser
 
@@ -152,9 +168,10 @@ def _load(args):
     device = opt.resolve_device(args.device)
     dtype = opt.resolve_dtype(args.dtype, device)
     spec = args.model or opt.DEFAULT_MODEL
+    quantization = opt.resolve_quantization(args.quantization)
     folder = resolve(spec)  # a first run converts the GGUF here, with progress bars
     print(f"pagedlm: loading {spec} on {device} ...", file=sys.stderr, flush=True)
-    return load(str(folder), device, dtype)
+    return load(str(folder), device, dtype, quantization=quantization)
 
 
 def cmd_generate(args) -> int:
@@ -249,6 +266,10 @@ def cmd_bench(args) -> int:
         from .bench.memory import run_memory_bench
 
         return run_memory_bench(args, _engine_options(args))
+    if args.bench == "ppl":
+        from .bench.ppl import run_ppl_bench
+
+        return run_ppl_bench(args)
     from .bench.decode import run_decode_bench
 
     return run_decode_bench(args, _engine_options(args))

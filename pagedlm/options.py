@@ -16,6 +16,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from pagedlm.kernels.quant import MODES
+
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's: a row wastes under 16 tokens (99% of KV bytes live on the 256-prompt workload)
 # Paged KV kernels index blocks by shifts and tile them: powers of two only, and
@@ -25,6 +27,9 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
 # float32 (inf - inf = NaN probabilities), and sampling that cold is the argmax.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
+QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
+QUANTIZATIONS = MODES  # none, int8, int4
+DEFAULT_QUANTIZATION = "none"
 
 
 class OptionError(ValueError):
@@ -162,6 +167,22 @@ def check_block_size(block_size: int) -> int:
         raise OptionError(f"--paged-kv-block-size must be a power of two from {MIN_BLOCK_SIZE} "
                           f"to {MAX_BLOCK_SIZE} (got {block_size})")
     return block_size
+
+
+def check_quantization(mode: object, name: str = "--quantization") -> str:
+    if mode not in QUANTIZATIONS:
+        raise OptionError(f"{name} must be {', '.join(QUANTIZATIONS)} (got {mode!r})")
+    return mode
+
+
+def resolve_quantization(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """Explicit --quantization > explicit PAGEDLM_QUANTIZATION > default ("none")."""
+    if flag is not None:
+        return check_quantization(flag)
+    raw = (os.environ if environ is None else environ).get(QUANTIZATION_ENV)
+    if raw:
+        return check_quantization(raw.strip().lower(), QUANTIZATION_ENV)
+    return DEFAULT_QUANTIZATION
 
 
 def resolve_device(device: str | None) -> str:
@@ -354,6 +375,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("port", "PAGEDLM_PORT", _port, "port to listen on"),
     Flag("device", "PAGEDLM_DEVICE", str, "auto, cpu or cuda"),
     Flag("dtype", "PAGEDLM_DTYPE", str, "auto, float32, bfloat16 or float16"),
+    Flag("quantization", QUANTIZATION_ENV, check_quantization,
+         "weight-only quantization: none, int8 or int4"),
     Flag("prompt_cache_bytes", "PAGEDLM_PROMPT_CACHE_BYTES",
                lambda t: _nonneg_int(t, "--prompt-cache-bytes"),
                "bytes of KV the prompt cache may keep (0 turns it off)"),
@@ -374,6 +397,7 @@ class ServerOptions:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = DEFAULT_QUANTIZATION
     prompt_cache_bytes: int = 2 * 1024**3
     max_queue: int = 256
     api_key: str | None = None

@@ -3,7 +3,9 @@
 Every configuration of one invocation runs in the same process on the same
 weights, interleaved repeat by repeat, so that the ratios between them hold
 even on a noisy machine: the default cache always; the paged cache with
-``--paged-kv``; Hugging Face transformers' ``generate`` with ``--against hf``.
+``--paged-kv``; the same model with ``--quantization int8|int4`` weights;
+Hugging Face transformers' ``generate`` with ``--against hf``;
+llama-cpp-python on the same GGUF file with ``--against llama.cpp``.
 """
 
 from __future__ import annotations
@@ -87,18 +89,26 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
     return model, _SyntheticTokenizer(config["vocab_size"])
 
 
-def load_for_bench(args):
+def load_for_bench(args, quantization: str | None = None):
     """``(model, tokenizer, device, dtype, spec)`` for a bench's ``--model``,
-    ``--device``, ``--dtype`` and ``--random-weights``."""
+    ``--device``, ``--dtype``, ``--random-weights`` and ``--quantization``
+    (``quantization`` overrides the flag; random weights are quantized after
+    they are drawn)."""
     device = opt.resolve_device(args.device)
     dtype = opt.resolve_dtype(args.dtype, device)
     spec = args.model or opt.DEFAULT_MODEL
+    if quantization is None:
+        quantization = opt.resolve_quantization(getattr(args, "quantization", None))
     if args.random_weights:
         model, tokenizer = load_random(spec, device, dtype)
+        if quantization != "none":
+            from ..loading.quant import quantize_model
+
+            quantize_model(model, quantization)
     else:
         from ..loading import load
 
-        model, tokenizer = load(spec, device, dtype)
+        model, tokenizer = load(spec, device, dtype, quantization=quantization)
     return model, tokenizer, device, dtype, spec
 
 
@@ -144,23 +154,77 @@ def _hf(folder, device: str, dtype: torch.dtype, gen_len: int) -> Callable:
     return run
 
 
+def gguf_path(spec: str):
+    """The GGUF file behind a built-in name or a .gguf path, else None."""
+    from pathlib import Path
+
+    from ..loading.catalog import BUILTINS
+
+    if spec in BUILTINS:
+        return BUILTINS[spec].locate()
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _llama_cpp(path, gen_len: int, n_ctx: int) -> Callable:
+    """llama-cpp-python on the GGUF file itself, greedy, on the same prompt ids:
+    prefill = one eval of the prompt; decode = gen_len - 1 single-token evals."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=torch.get_num_threads(),
+                n_threads_batch=torch.get_num_threads(), verbose=False)
+
+    def run(ids: list[int]) -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        for _ in range(gen_len - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t2 = time.perf_counter()
+        return len(ids) / (t1 - t0), (gen_len - 1) / (t2 - t1)
+
+    return run
+
+
 def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
+    import importlib.util
+
     from ..loading import resolve
 
+    device = opt.resolve_device(args.device)
+    spec = args.model or opt.DEFAULT_MODEL
+    quantization = opt.resolve_quantization(args.quantization)
     if args.gen_len < 2:
         raise opt.OptionError("--gen-len must be >= 2")
     for n in args.prompt_len:
         opt.positive_int(n, "--prompt-len")
     if args.random_weights and args.against == "hf":
         raise opt.OptionError("--against hf needs real weights, not --random-weights")
-    model, tokenizer, device, dtype, spec = load_for_bench(args)
+    if args.against == "llama.cpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise opt.OptionError("--against llama.cpp needs llama-cpp-python, which is not installed "
+                                  "(pip install llama-cpp-python; it builds from source, ~11 minutes on 2 cores)")
+        if args.random_weights or gguf_path(spec) is None:
+            raise opt.OptionError("--against llama.cpp needs a GGUF model (a built-in name or a .gguf file)")
+        if device != "cpu":
+            raise opt.OptionError("--against llama.cpp runs on the CPU: add --device cpu")
+    model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     paged = engine_options.paged_kv
     default = dataclasses.replace(engine_options, paged_kv=None)
     runners: dict[str, Callable] = {"default": _ours(model, tokenizer, default, args.gen_len)}
     if paged is not None:
         runners["paged"] = _ours(model, tokenizer, engine_options, args.gen_len)
+    if quantization != "none":
+        qmodel = load_for_bench(args, quantization=quantization)[0]
+        runners[quantization] = _ours(qmodel, tokenizer, default, args.gen_len)
     if args.against == "hf":
         runners["hf"] = _hf(resolve(spec), device, dtype, args.gen_len)
+    if args.against == "llama.cpp":
+        runners["llama.cpp"] = _llama_cpp(gguf_path(spec), args.gen_len, max(args.prompt_len) + args.gen_len + 8)
 
     for n in args.prompt_len:
         ids = prompt_ids(tokenizer, n)
@@ -185,27 +249,31 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing]) -> 
         "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
     rows = []
-    for name in ("default", "paged"):
+    against = next((k for k in ("hf", "llama.cpp") if k in med), None)
+    tag = {"hf": "hf", "llama.cpp": "llama_cpp"}.get(against)
+    for name in ("default", "paged", "int8", "int4"):
         if name not in med:
             continue
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
                "paged_kv": name == "paged",
-               "block_size": paged.block_size if name == "paged" else None}
-        if name == "paged":
-            row["decode_ratio_vs_default"] = round(med["paged"][1] / med["default"][1], 3)
-            row["prefill_ratio_vs_default"] = round(med["paged"][0] / med["default"][0], 3)
-        if "hf" in med:
-            row["hf_prefill_tok_s"] = round(med["hf"][0], 2)
-            row["hf_decode_tok_s"] = round(med["hf"][1], 2)
-            row["decode_ratio_vs_hf"] = round(med[name][1] / med["hf"][1], 3)
+               "block_size": paged.block_size if name == "paged" else None,
+               "quantization": name if name in ("int8", "int4") else "none"}
+        if name != "default":
+            row["decode_ratio_vs_default"] = round(med[name][1] / med["default"][1], 3)
+            row["prefill_ratio_vs_default"] = round(med[name][0] / med["default"][0], 3)
+        if against:
+            row[f"{tag}_prefill_tok_s"] = round(med[against][0], 2)
+            row[f"{tag}_decode_tok_s"] = round(med[against][1], 2)
+            row[f"prefill_ratio_vs_{tag}"] = round(med[name][0] / med[against][0], 3)
+            row[f"decode_ratio_vs_{tag}"] = round(med[name][1] / med[against][1], 3)
         rows.append(row)
     for row in rows:
         if args.json:
             print(json.dumps(row), flush=True)
         else:
             extra = "".join(
-                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "hf_decode_tok_s",
-                                            "decode_ratio_vs_hf") if k in row)
+                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", f"{tag}_decode_tok_s",
+                                            f"decode_ratio_vs_{tag}") if k in row)
             print(f"{row['name']:16s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
                   f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)

@@ -20,9 +20,22 @@ def load(
     spec: str = DEFAULT_MODEL,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
 ):
-    """(model, Tokenizer) for ``spec``; raises ModelNotFound with a one-line fix."""
+    """(model, Tokenizer) for ``spec``; raises ModelNotFound with a one-line fix.
+
+    ``quantization`` ("none", "int8", "int4"; ``options.resolve_quantization``
+    turns flags and the environment into one) stores the linear layers and
+    the embedding quantized (``loading.quant``)."""
+    from pagedlm.options import check_quantization
     from pagedlm.tokenizer import Tokenizer
 
+    check_quantization(quantization)
     folder = resolve(spec)
-    return load_model(folder, device, dtype), Tokenizer.from_folder(folder)
+    if quantization == "none":
+        model = load_model(folder, device, dtype)
+    else:
+        from .quant import load_quantized
+
+        model = load_quantized(folder, quantization, device, dtype)
+    return model, Tokenizer.from_folder(folder)

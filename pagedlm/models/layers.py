@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pagedlm.kernels import cpu
+from pagedlm.kernels.quant import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -138,6 +139,8 @@ def _lay_out_for_device(param: nn.Parameter) -> None:
     K-major weight round differently from transformers' in the last bit.
     Changing ``.data`` keeps the Parameter object, so ties hold.
     """
+    if param is None:  # quantized: the weight lives in ``quant``
+        return
     w = param.data
     if w.dim() != 2 or w.is_meta:
         return
@@ -168,18 +171,36 @@ class _DeviceLayout:
         return self
 
 
-class Linear(_DeviceLayout, nn.Linear):
-    """``nn.Linear`` whose weight is K-major on the CPU (``_lay_out_for_device``)."""
+class _Quantizable:
+    """Mixin: the weight may be replaced by a ``QuantizedWeight`` (``quantize``),
+    after which the module has no float ``weight`` and its products and
+    lookups read the quantized bytes."""
+
+    def set_quantized(self, quant: QuantizedWeight, dtype: torch.dtype) -> None:
+        """``dtype``: the model's activations (what an embedding lookup returns)."""
+        if tuple(quant.shape) != (self.weight.shape[0], self.weight.shape[1]):
+            raise ValueError(f"quantized weight {quant.shape} does not fit {tuple(self.weight.shape)}")
+        self.quant = quant  # a submodule: it shows in the model's repr and buffers
+        self.quant_dtype = dtype
+        self.weight = None  # nn.Module keeps the name registered, with no tensor
+
+
+class Linear(_DeviceLayout, _Quantizable, nn.Linear):
+    """``nn.Linear`` whose weight is K-major on the CPU (``_lay_out_for_device``),
+    or quantized (``set_quantized``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
+        self.quant: QuantizedWeight | None = None
         self._init_layout()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         return cpu.linear(x, self.weight, self.bias)
 
 
-class Embedding(_DeviceLayout, nn.Embedding):
+class Embedding(_DeviceLayout, _Quantizable, nn.Embedding):
     """``nn.Embedding`` that doubles as a tied output head (``as_linear``).
 
     Its ``[vocab, dim]`` table is K-major on the CPU too: the head's GEMV is
@@ -189,9 +210,17 @@ class Embedding(_DeviceLayout, nn.Embedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
+        self.quant: QuantizedWeight | None = None
         self._init_layout()
 
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:  # dequantize only the looked-up rows
+            return self.quant.rows(input_ids, self.quant_dtype)
+        return super().forward(input_ids)
+
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x)
         return cpu.linear(x, self.weight)
 
 

@@ -37,6 +37,7 @@ def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[st
         f"port = {options.port}",
         f"device = {device}",
         f"dtype = {str(dtype).removeprefix('torch.')}",
+        f"quantization = {options.quantization}",
         f"paged_kv = {paged}",
         f"prompt_cache_bytes = {options.prompt_cache_bytes}"
         + (" (off)" if llm.prompt_cache is None else ""),
@@ -85,7 +86,7 @@ def run(options: ServerOptions) -> int:
     dtype = resolve_dtype(options.dtype, device)
     sock = bind(options.host, options.port)
     log.info("loading %s on %s", options.model, device)
-    model, tokenizer = load(options.model, device, dtype)
+    model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
     llm = LLMEngine(model, tokenizer, options.engine)
     metrics = Metrics()
     lane = EngineLoop(llm, options.max_queue, metrics)

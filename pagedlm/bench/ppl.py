@@ -1,0 +1,115 @@
+"""`pagedlm bench ppl`: perplexity on real text, ``none`` against a quantized mode.
+
+The text is the Python language reference's prose as every CPython ships it
+(``pydoc_data.topics``: ~465k characters of English, the help() pages, in
+sorted topic order), so every machine scores the same words and no model
+wrote them. It is cut into non-overlapping windows of ``--window`` tokens;
+each window starts with BOS (when the model has one) and every text token
+in it is scored, given the tokens before it in its window.
+
+Reuse (the KV-quantization issue): ``perplexity(model, windows, scorer)``
+takes the scorer factory (default `batch.solo.Solo`: ``scorer(model)(ids)``
+gives one fresh sequence's logits ``[L, V]``), so a quantized KV store is
+scored by passing another one; ``window_logits`` is the one place that runs
+the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .. import options as opt
+from ..batch.solo import Solo
+
+
+def reference_text() -> str:
+    """The Python language reference, as shipped in the standard library."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def window_logits(model, ids: list[int], scorer: Callable = Solo) -> torch.Tensor:
+    """float32 logits ``[L, V]`` of one window (prefill only, a fresh
+    sequence). The one place this bench runs the model."""
+    return scorer(model)(ids).float()
+
+
+def make_windows(tokenizer, tokens: int, window: int) -> list[list[int]]:
+    """``tokens // (window - bos)`` windows of ``window`` ids over the reference text."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids = tokenizer.encode(reference_text(), add_special_tokens=False)
+    step = window - len(bos)
+    count = tokens // step
+    if count < 1 or count * step > len(ids):
+        raise opt.OptionError(f"--tokens must be between {step} and {len(ids) // step * step} "
+                              f"for --window {window} (the text has {len(ids)} tokens)")
+    return [bos + ids[i * step : (i + 1) * step] for i in range(count)]
+
+
+@dataclass
+class PplResult:
+    name: str
+    ppl: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    scored_tokens: int
+    seconds: float
+
+
+def perplexity(model, windows: list[list[int]], scorer: Callable = Solo, name: str = "") -> PplResult:
+    """Perplexity of every token of every window after the first."""
+    total, count = 0.0, 0
+    t0 = time.perf_counter()
+    for ids in windows:
+        logits = window_logits(model, ids, scorer)[:-1]
+        target = torch.tensor(ids[1:], device=logits.device)
+        total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        count += len(target)
+        del logits
+    nll = total / count
+    return PplResult(name, math.exp(nll), nll, count, time.perf_counter() - t0)
+
+
+def run_ppl_bench(args) -> int:
+    import gc
+
+    from ..loading import load
+
+    device = opt.resolve_device(args.device)
+    dtype = opt.resolve_dtype(args.dtype, device)
+    spec = args.model or opt.DEFAULT_MODEL
+    # One run scores several modes (one load each): --quantization int8,int4
+    flags = (args.quantization or "").split(",") if args.quantization else [None]
+    asked = [opt.resolve_quantization(f.strip() if f else None) for f in flags]
+    window = opt.positive_int(args.window, "--window")
+    if window < 16:
+        raise opt.OptionError(f"--window must be >= 16 (got {window})")
+    modes = ["none", *(m for m in dict.fromkeys(asked) if m != "none")]
+    results: list[PplResult] = []
+    windows = None
+    for mode in modes:
+        model, tokenizer = load(spec, device, dtype, quantization=mode)
+        windows = windows or make_windows(tokenizer, opt.positive_int(args.tokens, "--tokens"), window)
+        results.append(perplexity(model, windows, name=mode))
+        del model
+        gc.collect()
+    base = results[0]
+    for r in results:
+        row = {"model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
+               "window": window, "windows": len(windows), "quantization": r.name, **asdict(r),
+               "ppl_change_vs_none": round(r.ppl / base.ppl - 1, 5)}
+        row.pop("name")
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{spec} {r.name:5s} ppl {r.ppl:9.4f}  ({row['ppl_change_vs_none']:+.2%} vs none)  "
+                  f"{r.scored_tokens} tokens scored in {len(windows)} windows of {window}, {r.seconds:.0f} s",
+                  file=sys.stdout, flush=True)
+    return 0

@@ -1,0 +1,172 @@
+"""Weight-only quantization: int8 per output channel, int4 in groups of 32.
+
+Batch-1 decode reads every weight once per token, so it runs at the speed
+of the bytes read: an int4 weight is an eighth of float32. torch ships the
+products that read them (``torch._weight_int8pack_mm``,
+``torch._weight_int4pack_mm_for_cpu`` on the CPU, ``torch._weight_int4pack_mm``
+on CUDA); this file holds the one storage format the conversion cache keeps
+and turns it into what each kernel wants.
+
+Stored ("portable") format, per ``[N, K]`` weight (``N`` outputs, ``K`` inputs):
+
+- int8: ``qweight`` int8 ``[N, K]``, ``scales`` float32 ``[N]``:
+  ``w = qweight * scale``, symmetric, ``scale = max|w_row| / 127``.
+- int4: ``qweight`` uint8 ``[N, K / 2]``, two 4-bit codes ``q`` in 0..15 per
+  byte, the even ``k`` in the high nibble (what ``_convert_weight_to_int4pack``
+  takes on CUDA); ``scales``, ``mins`` float32 ``[N, K / 32]``:
+  ``w = q * scale + min`` (asymmetric, min/max of each group of 32). GGUF's
+  Q4_K and Q4_1 blocks are 32 weights of exactly this form, so their values
+  come back almost exactly.
+
+The kernels' form of the same numbers: ``w = (q - 8) * scale + zero`` with
+``zero = min + 8 * scale``, scales and zeros interleaved as ``[K/32, N, 2]``.
+The CPU kernels take bfloat16 activations only at speed (float32 ones run a
+slow path, 5-10x slower here): the product rounds ``x`` to bfloat16 and
+returns ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("none", "int8", "int4")
+GROUP_SIZE = 32  # int4 group; GGUF Q4_K / Q4_1 use 32-weight blocks too
+_PACK_CHUNK = 8192  # rows unpacked at a time when laying int4 out for a kernel
+
+
+def int4_fits(shape: tuple[int, int]) -> bool:
+    """Whether torch's int4 kernels take a weight of this shape; others get int8."""
+    n, k = shape
+    return n % 16 == 0 and k % GROUP_SIZE == 0 and k % 2 == 0
+
+
+def quantize(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+    """A float ``[N, K]`` weight -> the stored tensors of ``mode`` (int4 falls
+    back to int8 for shapes the int4 kernels do not take, see ``int4_fits``)."""
+    w = w.float()
+    if mode == "int4" and int4_fits(tuple(w.shape)):
+        n, k = w.shape
+        groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = (hi - lo) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: q = 0
+        q = ((groups - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        q = q.reshape(n, k)
+        return {"qweight": (q[:, ::2] << 4) | q[:, 1::2], "scales": scale, "mins": lo}
+    if mode in ("int8", "int4"):
+        scale = w.abs().amax(1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return {"qweight": q, "scales": scale}
+    raise ValueError(f"unknown quantization mode {mode!r} (expected one of {', '.join(MODES)})")
+
+
+def stored_mode(tensors: dict[str, torch.Tensor]) -> str:
+    return "int4" if "mins" in tensors else "int8"
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K/2]`` -> codes int32 ``[N, K]`` (0..15)."""
+    q = torch.stack(((qweight >> 4), (qweight & 15)), dim=-1)
+    return q.reshape(qweight.shape[0], -1).to(torch.int32)
+
+
+def dequantize(tensors: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight (or only ``rows`` of it) that the stored tensors stand for."""
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+    if stored_mode(tensors) == "int8":
+        return pick(tensors["qweight"]).float() * pick(tensors["scales"])[..., None]
+    qweight = pick(tensors["qweight"])
+    q = unpack_int4(qweight.reshape(-1, qweight.shape[-1])).float()
+    scales = pick(tensors["scales"]).reshape(q.shape[0], -1).repeat_interleave(GROUP_SIZE, -1)
+    mins = pick(tensors["mins"]).reshape(q.shape[0], -1).repeat_interleave(GROUP_SIZE, -1)
+    return (q * scales + mins).reshape(*qweight.shape[:-1], -1)
+
+
+class QuantizedWeight(torch.nn.Module):
+    """A quantized ``[N, K]`` weight laid out for one device's kernel.
+
+    ``linear(x)`` is ``F.linear(x, W)``; ``rows(ids)`` dequantizes only the
+    looked-up rows (an embedding). Built once at load (``from_stored``); the
+    buffers are the kernel's layout, not the stored one, so it is moved
+    between devices by loading again, not by ``.to()``.
+    """
+
+    def __init__(self, mode: str, shape: tuple[int, int], compute_dtype: torch.dtype):
+        super().__init__()
+        self.mode, self.shape, self.compute_dtype = mode, tuple(shape), compute_dtype
+        self._int8_cuda_ok = True
+
+    @classmethod
+    def from_stored(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int], device: torch.device,
+                    *, rows: bool = False, linear: bool = True) -> "QuantizedWeight":
+        """``rows``: keep what ``rows()`` needs (an embedding); for int4 that is
+        the stored codes, since the kernels' tiled layout is not one to gather
+        rows from. ``linear=False``: skip the kernel layout (an untied embedding)."""
+        device = torch.device(device)
+        mode = stored_mode(tensors)
+        # bfloat16 activations: the fast path of the CPU kernels and the model dtype on CUDA.
+        self = cls(mode, shape, torch.bfloat16)
+        if mode == "int8":
+            self.register_buffer("qweight", tensors["qweight"].to(device).contiguous())
+            self.register_buffer("scales", tensors["scales"].to(device, torch.float32))
+            self.register_buffer("kernel_scales", tensors["scales"].to(device, self.compute_dtype))
+            return self
+        if rows:
+            for name in ("qweight", "scales", "mins"):
+                self.register_buffer(name, tensors[name].to(device))
+        if not linear:
+            return self
+        n, k = shape
+        scales, mins = tensors["scales"].float(), tensors["mins"].float()
+        zeros = mins + 8 * scales
+        sz = torch.stack((scales.t(), zeros.t()), dim=-1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("scales_and_zeros", sz.to(device, self.compute_dtype))
+        if device.type == "cpu":
+            packed = [torch._convert_weight_to_int4pack_for_cpu(unpack_int4(tensors["qweight"][i : i + _PACK_CHUNK]), 2)
+                      for i in range(0, n, _PACK_CHUNK)]
+            self.register_buffer("packed", torch.cat(packed))
+        else:
+            inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+            self.inner_k_tiles = inner_k_tiles
+            self.register_buffer("packed", torch._convert_weight_to_int4pack(
+                tensors["qweight"].to(device).contiguous(), inner_k_tiles))
+        return self
+
+    def _apply(self, fn, recurse=True):
+        return self  # ``model.to(dtype)`` must not cast the kernel's scales; see the class doc
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype)
+        if self.mode == "int4":
+            if x2.device.type == "cpu":
+                y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP_SIZE, self.scales_and_zeros)
+            else:
+                y = torch._weight_int4pack_mm(x2, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        elif x2.device.type == "cpu" or self._int8_cuda_ok:
+            try:
+                y = torch._weight_int8pack_mm(x2, self.qweight, self.kernel_scales)
+            except (RuntimeError, NotImplementedError):
+                if x2.device.type == "cpu":
+                    raise
+                self._int8_cuda_ok = False  # no int8 kernel in this torch build on CUDA
+                y = F.linear(x2, self.qweight.to(x2.dtype) * self.kernel_scales[:, None])
+        else:
+            y = F.linear(x2, self.qweight.to(x2.dtype) * self.kernel_scales[:, None])
+        y = y.to(x.dtype).reshape(*shape[:-1], self.shape[0])
+        return y if bias is None else y + bias
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of the weight, dequantized: ``F.embedding(ids, W)``."""
+        stored = {name: getattr(self, name) for name in ("qweight", "scales", "mins") if hasattr(self, name)}
+        if "qweight" not in stored:
+            raise RuntimeError("this quantized weight was built without rows=True; it has no row lookup")
+        return dequantize(stored, ids).to(dtype)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"{self.mode}, shape={self.shape}"

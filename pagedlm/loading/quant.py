@@ -1,0 +1,154 @@
+"""Quantized weights: converted once into the cache, loaded layer by layer.
+
+A model folder's float weights are quantized once (``kernels.quant``) into
+``$PAGEDLM_CACHE_DIR/quantized/<key>/<mode>-g<group>-v<version>.safetensors``
+(``key``: a hash of the folder's path and its weight files' names, sizes and
+mtimes). The conversion reads one layer's tensors at a time and the load one
+module's, so neither ever holds the float model: a GGUF Q4 8B model that is
+32 GB in float32 loads in about its own size.
+
+Which weights are quantized is the model's business, not this file's: every
+``models.layers.Linear`` and ``Embedding`` (so the tied output head too);
+norms and biases stay float.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedlm.kernels.quant import GROUP_SIZE, QuantizedWeight, quantize
+
+from .catalog import cache_dir
+from .hf import read_config
+
+QUANT_VERSION = 1  # bump when the stored format changes, so stale files are redone
+_PARTS = ("qweight", "scales", "mins")
+
+
+def quantizable(model: nn.Module) -> dict[str, nn.Module]:
+    """Module name -> module, for every layer whose weight is quantized."""
+    from pagedlm.models.layers import Embedding, Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, (Linear, Embedding))}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def quantized_path(folder: str | Path, mode: str) -> Path:
+    """Where ``folder``'s ``mode`` weights are (or will be) cached."""
+    folder = Path(folder).resolve()
+    digest = hashlib.sha256(str(folder).encode())
+    for f in [folder / "config.json", *_weight_files(folder)]:
+        st = f.stat()
+        digest.update(f"|{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return cache_dir() / "quantized" / digest.hexdigest()[:16] / f"{mode}-g{GROUP_SIZE}-v{QUANT_VERSION}.safetensors"
+
+
+def _layer_of(name: str) -> str:
+    """Group key: ``model.layers.7.`` for a block's tensors, "" for the rest."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[1] == "layers":
+        return ".".join(parts[:3]) + "."
+    return ""
+
+
+def convert(folder: str | Path, mode: str, out: Path) -> None:
+    """Quantize ``folder``'s weights into the safetensors file ``out``, one
+    layer's float tensors in memory at a time."""
+    from pagedlm.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(read_config(folder))
+    targets = {f"{name}.weight" for name in quantizable(model)}
+    handles = [safe_open(f, "pt") for f in _weight_files(Path(folder))]
+    where = {key: h for h in handles for key in h.keys()}
+    groups: dict[str, list[str]] = {}
+    for key in where:
+        groups.setdefault(_layer_of(key), []).append(key)
+    print(f"pagedlm: quantizing {Path(folder).name} to {mode} (once; the result is cached)", file=sys.stderr)
+    stored: dict[str, torch.Tensor] = {}
+    for group in groups.values():
+        weights = model.sanitize({key: where[key].get_tensor(key) for key in group})
+        for key, w in weights.items():
+            if key in targets:
+                stem = key.removesuffix("weight")
+                stored.update({stem + part: t.contiguous() for part, t in quantize(w, mode).items()})
+            else:
+                stored[key] = w.contiguous()
+        del weights
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        save_file(stored, tmp, metadata={"format": "pt", "quantization": mode, "group_size": str(GROUP_SIZE),
+                                         "source": str(Path(folder).resolve())})
+        os.replace(tmp, out)  # atomic: a file under its final name is complete
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model for ``folder`` with its Linear / Embedding weights in ``mode``,
+    converting them into the cache first if needed."""
+    from pagedlm.models import build_model
+    from pagedlm.models.layers import Embedding
+
+    path = quantized_path(folder, mode)
+    if not path.is_file():
+        convert(folder, mode, path)
+    config = read_config(folder)
+    with torch.device("meta"):
+        model = build_model(config)
+    layers = quantizable(model)
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        quantized = {k for k in keys if k.rsplit(".", 1)[0] in layers and k.rsplit(".", 1)[1] in _PARTS}
+        model.load_state_dict({k: f.get_tensor(k) for k in keys - quantized}, strict=False, assign=True)
+        for name, module in layers.items():
+            tensors = {p: f.get_tensor(f"{name}.{p}") for p in _PARTS if f"{name}.{p}" in keys}
+            if "qweight" not in tensors:
+                raise RuntimeError(f"{path}: no quantized weight for {name}")
+            is_embedding = isinstance(module, Embedding)
+            quant = QuantizedWeight.from_stored(tensors, tuple(module.weight.shape), device,
+                                                rows=is_embedding, linear=not is_embedding or tied)
+            module.set_quantized(quant, dtype)
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise RuntimeError(f"{path}: no weights loaded for {', '.join(missing[:5])}")
+    model.to(device=device, dtype=dtype)  # norms and biases; quantized buffers stay as built
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers the model holds (quantized or not)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def quantize_model(model: nn.Module, mode: str) -> nn.Module:
+    """Quantize a loaded float model in place (random-weight benches, tests);
+    real models are converted once through the cache by ``load_quantized``."""
+    from pagedlm.models.layers import Embedding
+
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    for module in quantizable(model).values():
+        w = module.weight.detach()
+        is_embedding = isinstance(module, Embedding)
+        quant = QuantizedWeight.from_stored({k: v.cpu() for k, v in quantize(w.cpu(), mode).items()},
+                                            tuple(w.shape), w.device, rows=is_embedding,
+                                            linear=not is_embedding or tied)
+        module.set_quantized(quant, w.dtype)
+    return model
