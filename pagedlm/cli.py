@@ -49,6 +49,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                        help=f"{row.help} (env {row.env})")
 
 
+def _add_random_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--random-weights", action="store_true",
+                   help="--model is a folder with a config.json: random weights of that shape")
+
+
 def _engine_options(args, **fixed) -> opt.EngineOptions:
     flags = {name: getattr(args, name) for name in
              ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]}
@@ -101,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--against", choices=["hf", "llama.cpp"], default=None,
                    help="also time transformers' generate on the same weights (hf) or "
                         "llama-cpp-python on the same GGUF (llama.cpp), interleaved")
-    d.add_argument("--random-weights", action="store_true",
-                   help="--model is a folder with a config.json: random weights of that shape")
+    _add_random_weights(d)
     d.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
     t = bsub.add_parser("throughput", help="offline batched output tok/s on random prompts (nano-vllm's "
@@ -123,8 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give transformers only the first N prompts (when it is too slow for all)")
     t.add_argument("--hf-timeout", type=float, default=None, metavar="S",
                    help="give up on transformers' run after S seconds (reported as an error)")
-    t.add_argument("--random-weights", action="store_true",
-                   help="--model is a folder with a config.json: random weights of that shape")
+    _add_random_weights(t)
     t.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
     m = bsub.add_parser("memory", help="KV bytes per live token and sequences admitted at a fixed budget: "
@@ -137,8 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-long", type=int, default=2)
     m.add_argument("--max-tokens", type=int, default=8, help="tokens each request generates")
     m.add_argument("--seed", type=int, default=0, help="seeds the prompts")
-    m.add_argument("--random-weights", action="store_true",
-                   help="--model is a folder with a config.json: random weights of that shape")
+    _add_random_weights(m)
     m.add_argument("--json", action="store_true", help="one JSON object per store")
 
     pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
