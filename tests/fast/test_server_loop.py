@@ -155,5 +155,8 @@ def test_parse_refuses_malformed_json():
 
 
 def test_parse_accepts_every_prompt_form_and_ignores_unknown_fields():
-    for prompt in ('"x"', '["x", "y"]', "[1, 2]", "[[1], [2, 3]]"):
-        parse(CompletionRequest, f'{{"prompt": {prompt}, "best_of": 1}}'.encode())
+    for prompt, expected in (('"x"', "x"), ('["x", "y"]', ["x", "y"]), ("[1, 2]", [1, 2]),
+                             ("[[1], [2, 3]]", [[1], [2, 3]])):
+        req = parse(CompletionRequest, f'{{"prompt": {prompt}, "best_of": 1, "max_tokens": 3}}'.encode())
+        assert req.prompt == expected and req.max_tokens == 3
+        assert "best_of" not in req.model_dump()
