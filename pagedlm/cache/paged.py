@@ -11,11 +11,11 @@ query head of the group. The pools are allocated once, from a byte budget;
 which blocks a sequence owns is the block manager's business
 (``batch.block_manager``), not the pool's.
 
-On this reference path ``gather`` copies one row's blocks into a contiguous
-``[seq_len, H_kv, D]`` tensor (a prompt chunk), and ``gather_rows`` the
-decode rows' blocks into one ``[rows, longest, H_kv, D]`` tensor: the same
-shapes, strides and (unmasked) values as the default store's ``KVCache``
-fetches, hence the same attention bits.
+On this reference path ``gather`` copies rows' blocks into one contiguous
+``[rows, length, H_kv, D]`` tensor (one prompt-chunk row at its length, or
+every decode row at the longest): the same shapes, strides and (unmasked)
+values as the default store's ``KVCache`` fetches, hence the same attention
+bits.
 """
 
 from __future__ import annotations
@@ -61,20 +61,12 @@ class PagedPools:
         k.view(-1, *k.shape[2:]).index_copy_(0, slot_mapping, keys)
         v.view(-1, *v.shape[2:]).index_copy_(0, slot_mapping, values)
 
-    def gather(self, layer: int, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row's keys/values, ``[seq_len, H_kv, D]``, contiguous, oldest first."""
-        n_blocks = -(-seq_len // self.block_size)
-        table = block_table[:n_blocks]
-        k, v = self.k[layer], self.v[layer]
-        keys = k.index_select(0, table).view(-1, *k.shape[2:])[:seq_len]
-        values = v.index_select(0, table).view(-1, *v.shape[2:])[:seq_len]
-        return keys, values
-
-    def gather_rows(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Several rows' keys/values, ``[rows, length, H_kv, D]``, contiguous:
-        each row's blocks in order, cut at ``length`` (the longest row). Past
-        a row's own end the values are stale or zero (finite: see __init__),
-        for the caller's mask to hide; padded table entries (-1) read block 0."""
+    def gather(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' keys/values, ``[rows, length, H_kv, D]``, contiguous: each row's
+        blocks (``block_tables`` ``[rows, W]``) in order, cut at ``length``
+        (one row's own length, or the longest row's). Past a row's own end the
+        values are stale or zero (finite: see __init__), for the caller's mask
+        to hide; padded table entries (-1) read block 0."""
         rows = block_tables.shape[0]
         n_blocks = -(-length // self.block_size)
         table = block_tables[:, :n_blocks].clamp(min=0).reshape(-1)

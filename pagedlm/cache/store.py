@@ -114,28 +114,29 @@ class KVStore:
     def attend(self, layer: int, q: torch.Tensor, step: "StepBatch", *, scale: float) -> torch.Tensor:
         plan = self._plan(step, q.device)
         fetched = self._fetched.pop(layer, None)  # None: a paged layer
-        if plan.single is not None:  # one row: its output is the whole output
+        if len(step.seq_ids) == 1:  # one row: its output is the whole output
             if plan.decode:
                 return self._attend_rows(layer, q, plan, fetched, scale)
-            return self._attend_one(layer, q, step, 0, fetched, scale)
+            return self._attend_one(layer, q, plan, 0, fetched, scale)
         out = torch.empty_like(q)
         if plan.decode:
             out[plan.decode_tokens] = self._attend_rows(layer, q[plan.decode_tokens], plan, fetched, scale)
         bounds = step.query_start_host
         for r in plan.prefill:
             a, b = bounds[r], bounds[r + 1]
-            out[a:b] = self._attend_one(layer, q[a:b], step, r, fetched, scale)
+            out[a:b] = self._attend_one(layer, q[a:b], plan, r, fetched, scale)
         return out
 
-    def _attend_one(self, layer, q, step, r, fetched, scale) -> torch.Tensor:
+    def _attend_one(self, layer, q, plan, r, fetched, scale) -> torch.Tensor:
         """A row with several queries (a prompt chunk): its keys, its mask, SDPA."""
         if fetched is not None:
             k, v, mask = fetched[r]
         else:
+            step = plan.step
             seq_len = step.seq_lens_host[r]
-            k, v = self.pools.gather(layer, step.block_tables[r], seq_len)
-            n = step.query_start_host[r + 1] - step.query_start_host[r]
-            mask = self._plan(step, q.device).causal(r, n, seq_len)
+            k, v = self.pools.gather(layer, step.block_tables[r : r + 1], seq_len)
+            k, v = k[0], v[0]
+            mask = plan.causal(r, q.shape[0], seq_len)
         return attend_row(q, k, v, mask, scale)
 
     def _attend_rows(self, layer, q, plan, fetched, scale) -> torch.Tensor:
@@ -151,7 +152,7 @@ class KVStore:
                 k, v = pad_sequence(keys, batch_first=True), pad_sequence(values, batch_first=True)
         else:
             lengths = plan.decode_lens
-            k, v = self.pools.gather_rows(layer, plan.decode_tables, max(lengths))
+            k, v = self.pools.gather(layer, plan.decode_tables, max(lengths))
         return attend_rows(q, k, v, plan.padding(lengths), scale)
 
     def _plan(self, step: "StepBatch", device) -> "_StepPlan":
@@ -170,7 +171,6 @@ class _StepPlan:
         n_rows = len(step.seq_ids)
         self.decode = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] == 1)
         self.prefill = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] > 1)
-        self.single = 0 if n_rows == 1 else None
         self.decode_tokens = torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=device)
         self.decode_lens = tuple(step.seq_lens_host[r] for r in self.decode)
         self._tables: torch.Tensor | None = None
