@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 import torch
@@ -113,6 +113,15 @@ class SamplingParams:
                 raise OptionError(message)
         if self.temperature < GREEDY_BELOW_TEMPERATURE:
             self.temperature = 0.0
+
+
+    def continuations(self) -> list["SamplingParams"]:
+        """One single-sequence copy per continuation; with a seed, continuation
+        ``i`` draws with ``seed + i``: n different outputs, each reproducible."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
 
 # The first API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).

@@ -143,10 +143,7 @@ class LLMEngine:
             raise OptionError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                               f"exceeds max_model_len ({self.max_model_len})")
         seqs = []
-        for i in range(params.n):
-            p = params
-            if params.n > 1 and params.seed is not None:  # n different continuations, still reproducible
-                p = SamplingParams(**{**vars(params), "seed": params.seed + i})
+        for p in params.continuations():
             seq = Sequence(ids, p, self.tokenizer.eos_token_ids, self.tokenizer.detokenizer(), request_id)
             self.scheduler.add(seq)
             seqs.append(seq)

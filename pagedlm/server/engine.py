@@ -131,10 +131,10 @@ class Engine:
                 self.llm.scheduler.check_fits(len(ids), budget)
             except OptionError as e:
                 raise APIError(400, str(e), param=max_param, code="kv_budget_exceeded") from None
-            for j in range(n):  # OpenAI's choice order: prompt by prompt, n each
-                seed = options.seed + j if options.seed is not None and n > 1 else options.seed
+            # OpenAI's choice order: prompt by prompt, n each
+            for params in dataclasses.replace(options, max_tokens=budget, n=n).continuations():
                 choices.append(ids)
-                per_choice.append(dataclasses.replace(options, max_tokens=budget, seed=seed))
+                per_choice.append(params)
         stream = bool(req.stream)
         include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
         echo = [t for t in echo_texts for _ in range(n)] if echo_texts is not None else None
