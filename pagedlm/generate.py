@@ -7,7 +7,6 @@ for example a paged one). Many requests at once: `pagedlm.LLM` or the engine.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
@@ -18,14 +17,13 @@ from .options import OptionError, SamplingParams
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, LLMEngine]" = weakref.WeakKeyDictionary()
-
-
 def engine_for(model: torch.nn.Module, tokenizer: "Tokenizer") -> LLMEngine:
-    """The default-store engine kept for ``model`` (made on first use)."""
-    engine = _ENGINES.get(model)
+    """The default-store engine kept on ``model`` (made on first use; it goes
+    with the model: a weak-keyed table would never drop it, the engine
+    referring to its model)."""
+    engine = model.__dict__.get("_pagedlm_engine")
     if engine is None or engine.tokenizer is not tokenizer:
-        engine = _ENGINES[model] = LLMEngine(model, tokenizer)
+        engine = model.__dict__["_pagedlm_engine"] = LLMEngine(model, tokenizer)
     return engine
 
 

@@ -309,3 +309,16 @@ def test_memory_stays_flat_over_a_thousand_requests():
         if engine.blocks is not None:
             assert engine.blocks.num_free == engine.blocks.num_blocks
         assert counts[-1] <= counts[1], counts
+
+
+def test_the_engine_kept_for_pagedlm_generate_goes_with_its_model():
+    import weakref
+
+    import pagedlm
+
+    model = tiny_model("llama")
+    assert len(pagedlm.generate(model, CharTokenizer(), "hello", SamplingParams(max_tokens=2, ignore_eos=True))) >= 1
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
