@@ -101,6 +101,14 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def new_tokens(self, n: int) -> list[int]:
+        """The next ``n`` tokens to feed (from ``num_computed``), without
+        copying the whole sequence: a decode row takes its last token."""
+        begin, end, p = self.num_computed, self.num_computed + n, len(self.prompt_ids)
+        if begin >= p:
+            return self.output_ids[begin - p : end - p]
+        return self.prompt_ids[begin:end] + self.output_ids[: max(0, end - p)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

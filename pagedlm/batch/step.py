@@ -56,7 +56,7 @@ def prepare_step(
     sampling: list[int] = []
     for r, (seq, n) in enumerate(rows):
         begin = seq.num_computed
-        ids += seq.tokens[begin : begin + n]
+        ids += seq.new_tokens(n)
         positions += range(begin, begin + n)
         starts.append(starts[-1] + n)
         lens.append(begin + n)

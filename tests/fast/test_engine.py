@@ -322,3 +322,14 @@ def test_the_engine_kept_for_pagedlm_generate_goes_with_its_model():
     del model
     gc.collect()
     assert gone() is None
+
+
+def test_new_tokens_are_the_next_ones_across_the_prompt_output_boundary():
+    from pagedlm.batch.sequence import Sequence
+
+    seq = Sequence([10, 11, 12], SamplingParams(), set(), None)
+    seq.output_ids = [20, 21]
+    for computed in range(5):
+        for n in range(1, 6 - computed):
+            seq.num_computed = computed
+            assert seq.new_tokens(n) == seq.tokens[computed : computed + n]

@@ -35,6 +35,9 @@ class FakeSeq:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    def new_tokens(self, n: int) -> list[int]:
+        return self.tokens[self.num_computed : self.num_computed + n]
+
 
 UNWRITTEN = 7.0
 
