@@ -10,7 +10,7 @@ from . import options as opt
 from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
 from .cache.store import kv_bytes
-from .options import EngineOptions, PagedKvOptions, SamplingParams
+from .options import SamplingParams
 
 
 @dataclass
@@ -146,4 +146,4 @@ class LLM:
         return RequestOutput(prompt, ids, outputs, seqs[0].prompt_logprobs, seqs[0].num_cached)
 
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "KVStats", "PagedKvOptions", "EngineOptions"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "KVStats"]

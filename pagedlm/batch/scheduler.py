@@ -172,7 +172,6 @@ class Scheduler:
         self._detach(seq, keep=False)
         seq.status = SequenceStatus.WAITING
         seq.num_computed = 0
-        seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,10 +91,8 @@ class Sequence:
                 self.generator.manual_seed(params.seed)
             else:
                 self.generator.seed()
-        self.arrival = time.perf_counter()
         self.first_scheduled: float | None = None
         self.first_token_at: float | None = None
-        self.preemptions = 0
 
     @property
     def tokens(self) -> list[int]:
