@@ -212,8 +212,8 @@ class LLMEngine:
             return self._response(seq, "", None, None, "length", first)
         seq.output_ids.append(token)
         finish = None
-        if token in seq.stop_ids:
-            text, finish = seq.stops.flush(), "stop"
+        if token in seq.stop_ids:  # the stop token's own text is not emitted; what is held back is
+            text, finish = seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush(), "stop"
         else:
             text, hit = seq.stops.feed(seq.detokenizer.add_token(token))
             if hit:

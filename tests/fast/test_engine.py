@@ -333,3 +333,34 @@ def test_new_tokens_are_the_next_ones_across_the_prompt_output_boundary():
         for n in range(1, 6 - computed):
             seq.num_computed = computed
             assert seq.new_tokens(n) == seq.tokens[computed : computed + n]
+
+
+class _HoldingTokenizer(CharTokenizer):
+    """Its detokenizer holds every character back until finalize, as a
+    byte-level one holds the bytes of an unfinished character."""
+
+    def detokenizer(self):
+        class Holding:
+            def __init__(self, tok):
+                self.tok, self.ids, self.sent = tok, [], 0
+
+            def add_token(self, token):
+                self.ids.append(token)
+                return ""
+
+            def finalize(self):
+                text, self.sent = self.tok.decode(self.ids[self.sent:]), len(self.ids)
+                return text
+
+        return Holding(self)
+
+
+def test_text_held_back_is_flushed_when_a_stop_id_ends_the_sequence():
+    model, tok = _MODEL["llama"], _HoldingTokenizer()
+    (ids,) = prompts(1, seed=16)
+    free = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop = free.output_ids[3]
+    first = free.output_ids.index(stop)
+    out = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=8, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == CharTokenizer().decode(free.output_ids[:first])
