@@ -46,6 +46,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV block (default {opt.DEFAULT_BLOCK_SIZE})")
     for row in opt.ENGINE_FLAGS:
         p.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
+                       action=argparse.BooleanOptionalAction if row.switch else "store",
                        help=f"{row.help} (env {row.env})")
 
 

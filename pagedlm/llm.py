@@ -68,6 +68,8 @@ class LLM:
         max_model_len: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
+        attention_backend: str | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         if isinstance(model, str):
             from .loading import load
@@ -78,7 +80,8 @@ class LLM:
             raise opt.OptionError("LLM(model=<module>) needs tokenizer=")
         flags = {"paged_kv": paged_kv, "paged_kv_block_size": block_size, "max_num_seqs": max_num_seqs,
                  "max_num_batched_tokens": max_num_batched_tokens, "kv_budget_bytes": kv_budget_bytes,
-                 "gpu_memory_fraction": gpu_memory_fraction}
+                 "gpu_memory_fraction": gpu_memory_fraction, "attention_backend": attention_backend,
+                 "enforce_eager": enforce_eager}
         options = opt.resolve_engine_options(flags, environ={}, max_model_len=max_model_len)
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, options)

@@ -9,6 +9,7 @@ mirrors `REFUSALS` row for row.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,11 @@ PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
 QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
 QUANTIZATIONS = MODES  # none, int8, int4
 DEFAULT_QUANTIZATION = "none"
+# Attention over the paged pools: "torch" gathers a row's blocks and calls
+# SDPA (any device); "triton" reads the blocks in place (kernels.paged_attention)
+# and pages sliding-window layers too, so that the decode step can run as a
+# CUDA graph; "auto" is triton on CUDA when triton imports, else torch.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class OptionError(ValueError):
@@ -247,6 +253,22 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda s: s.get("device") == "cpu" and s.get("gpu_memory_fraction") is not None,
         "--gpu-memory-fraction sizes the KV budget from CUDA memory; on the CPU give --kv-budget-bytes",
     ),
+    Refusal(
+        "triton attention without paging",
+        lambda s: s.get("attention_backend") == "triton" and not s.get("paged_kv"),
+        "--attention-backend triton reads the paged pools; add --paged-kv",
+    ),
+    Refusal(
+        "triton attention without triton",
+        lambda s: s.get("attention_backend") == "triton" and importlib.util.find_spec("triton") is None,
+        "--attention-backend triton needs the triton package (pip install triton)",
+    ),
+    Refusal(
+        "triton attention off CUDA",
+        lambda s: (s.get("attention_backend") == "triton" and s.get("device") == "cpu"
+                   and os.environ.get("TRITON_INTERPRET") != "1"),
+        "--attention-backend triton needs CUDA (TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)",
+    ),
 )
 
 
@@ -299,6 +321,8 @@ class EngineOptions:
     gpu_memory_fraction: float | None = None  # CUDA: budget = fraction of memory free after weights
     max_model_len: int | None = None  # prompt + max_tokens; default: the model's context
     prompt_cache_bytes: int = 0  # default store: keep finished sequences' KV for prefix reuse
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS
+    enforce_eager: bool = False  # CUDA: never capture the decode step as a graph
 
 
 # Device defaults: a CPU step is compute-bound well before 512 tokens; a GPU
@@ -311,12 +335,24 @@ DEVICE_DEFAULTS = {
 
 @dataclass(frozen=True)
 class Flag:
-    """One option: its attribute name, environment variable, parser and help."""
+    """One option: its attribute name, environment variable, parser and help.
+    A ``switch`` is a --name / --no-name flag (1/0 in its environment variable)."""
 
     name: str
     env: str
     parse: Callable[[str], object]
     help: str
+    switch: bool = False
+
+
+def _switch(name: str) -> Callable[[str | bool], bool]:
+    return lambda t: t if isinstance(t, bool) else env_flag(name, {name: t})
+
+
+def _backend(text: str) -> str:
+    if text not in ATTENTION_BACKENDS:
+        raise OptionError(f"--attention-backend must be {', '.join(ATTENTION_BACKENDS)} (got {text!r})")
+    return text
 
 
 ENGINE_FLAGS: tuple[Flag, ...] = (
@@ -330,6 +366,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("gpu_memory_fraction", "PAGEDLM_GPU_MEMORY_FRACTION",
                lambda t: _fraction(t, "--gpu-memory-fraction"),
                "CUDA: KV budget as a fraction of the memory free after loading weights (default 0.9)"),
+    Flag("attention_backend", "PAGEDLM_ATTENTION_BACKEND", _backend,
+         "paged attention: auto (triton on CUDA), torch (gather + SDPA) or triton (in-place kernels)"),
+    Flag("enforce_eager", "PAGEDLM_ENFORCE_EAGER", _switch("PAGEDLM_ENFORCE_EAGER"),
+         "CUDA: run the decode step eagerly instead of replaying CUDA graphs", switch=True),
 )
 
 
@@ -351,8 +391,8 @@ def resolve_engine_options(
             value = env[row.env]
         if value is not None:
             values[row.name] = row.parse(value)
-    check_refusals({**values, "device": device})
     paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env)
+    check_refusals({**values, "device": device, "paged_kv": paged is not None})
     return EngineOptions(paged_kv=paged, **values, **fixed)
 
 

@@ -25,10 +25,12 @@ from pagedlm.attention import keep_sdpa_deterministic
 from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore, kv_bytes
+from pagedlm.kernels import paged_attention
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
 from pagedlm.sampling import logprobs_of, sample
 
 from .block_manager import BlockManager
+from .graphs import DecodeGraphs
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
 from .step import prepare_step
@@ -79,9 +81,13 @@ class LLMEngine:
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.device, self.dtype = param.device, param.dtype
         kind = self.device.type
-        check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction})
+        check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction,
+                        "attention_backend": options.attention_backend, "paged_kv": options.paged_kv is not None})
         if kind == "cuda":
             keep_sdpa_deterministic()
+        self.kernels = options.paged_kv is not None and (
+            options.attention_backend == "triton"
+            or (options.attention_backend == "auto" and kind == "cuda" and paged_attention.available(self.device)))
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         self.max_num_seqs = options.max_num_seqs or defaults["max_num_seqs"]
         self.max_num_batched_tokens = options.max_num_batched_tokens or defaults["max_num_batched_tokens"]
@@ -98,7 +104,7 @@ class LLMEngine:
         pools = None
         if options.paged_kv is not None:
             bs = options.paged_kv.block_size
-            paged = [i for i, s in enumerate(self.specs) if s.window is None]
+            paged = [i for i, s in enumerate(self.specs) if s.window is None or self.kernels]
             spec = self.specs[paged[0]] if paged else self.specs[0]
             per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype)
             num_blocks = self.kv_budget_bytes // per_block if paged else 0
@@ -109,9 +115,15 @@ class LLMEngine:
                     f"fewer than one sequence of max_model_len {self.max_model_len} needs ({need}); "
                     f"raise --kv-budget-bytes or lower --max-model-len")
             if paged:
-                pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+                pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype,
+                                   self.device, fused=self.kernels)
                 self.blocks = BlockManager(num_blocks, bs)
-        self.store = KVStore(self.specs, pools)
+        self.store = KVStore(self.specs, pools, kernels=self.kernels)
+        self.graphs = None
+        if self.kernels and kind == "cuda" and not options.enforce_eager:
+            self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs,
+                                       -(-self.max_model_len // options.paged_kv.block_size),
+                                       options.paged_kv.block_size, self.device)
         self.prompt_cache = (PromptCache(options.prompt_cache_bytes)
                              if pools is None and options.prompt_cache_bytes > 0 else None)
         self.scheduler = Scheduler(self.store, self.max_num_seqs, self.max_num_batched_tokens,
@@ -167,16 +179,20 @@ class LLMEngine:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
         step = prepare_step(rows, self.device, self.blocks)
+        sampled = [rows[r][0] for r in step.sampling_rows]
+        tokens: list[int] = []
+        logits = None
         with torch.inference_mode():
-            hidden = self.model(step.input_ids, step.positions, self.store, step)
-            for r, (seq, n) in enumerate(rows):
-                if seq.prompt_logprobs is not None:
-                    self._score_prompt(seq, n, hidden[step.query_start_host[r] : step.query_start_host[r + 1]])
-            sampled = [rows[r][0] for r in step.sampling_rows]
-            tokens: list[int] = []
-            logits = None
+            if self.graphs is not None and self.graphs.can_run(step):
+                logits = self.graphs.run(step).float()  # every row decodes: nothing to score
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.store, step)
+                for r, (seq, n) in enumerate(rows):
+                    if seq.prompt_logprobs is not None:
+                        self._score_prompt(seq, n, hidden[step.query_start_host[r] : step.query_start_host[r + 1]])
+                if sampled:
+                    logits = self.model.compute_logits(hidden[step.logits_rows]).float()
             if sampled:
-                logits = self.model.compute_logits(hidden[step.logits_rows]).float()
                 tokens = sample(logits, sampled)
         self.steps += 1
         for seq, n in rows:

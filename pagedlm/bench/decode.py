@@ -127,19 +127,20 @@ def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> 
     return run
 
 
-def _hf(folder, device: str, dtype: torch.dtype, gen_len: int) -> Callable:
+def _hf(hf, device: str, gen_len: int) -> Callable:
     """transformers' generate on the same weights: prefill = time to one new
-    token; decode = the remaining tokens over the remaining time."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    token; decode = the remaining tokens over the remaining time. On CUDA
+    with a static cache, which transformers compiles (``torch.compile``) for
+    decoding: the fastest ``generate`` it offers."""
+    cuda = device.startswith("cuda")
+    extra = {"cache_implementation": "static"} if cuda else {}
 
     def timed(ids: torch.Tensor, n: int) -> float:
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        if device.startswith("cuda"):
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)
+        if cuda:
             torch.cuda.synchronize()
         assert out.shape[1] == ids.shape[1] + n
         return time.perf_counter() - t0
@@ -152,6 +153,40 @@ def _hf(folder, device: str, dtype: torch.dtype, gen_len: int) -> Callable:
         return len(ids) / t1, (gen_len - 1) / max(tn - t1, 1e-9)
 
     return run
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second
+    (median of 20 copies of ``nbytes``): the roofline's denominator."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[5:])
+
+
+def bytes_per_decode_step(model, context: int) -> int:
+    """The fewest bytes one batch-1 decode step reads: every weight once
+    (an embedding is read once whole as the tied head) and the keys and
+    values of ``context`` tokens (a sliding layer's window at most)."""
+    from ..cache.store import kv_bytes
+
+    seen, weights = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            weights += t.untyped_storage().nbytes()
+    specs = model.kv_spec()
+    elem = next(model.parameters()).element_size()
+    per_token = [2 * sp.num_kv_heads * sp.head_dim * elem for sp in specs]
+    return weights + kv_bytes(specs, per_token, [context])
 
 
 def gguf_path(spec: str):
@@ -193,8 +228,6 @@ def _llama_cpp(path, gen_len: int, n_ctx: int) -> Callable:
 def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     import importlib.util
 
-    from ..loading import resolve
-
     device = opt.resolve_device(args.device)
     spec = args.model or opt.DEFAULT_MODEL
     quantization = opt.resolve_quantization(args.quantization)
@@ -202,8 +235,6 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         raise opt.OptionError("--gen-len must be >= 2")
     for n in args.prompt_len:
         opt.positive_int(n, "--prompt-len")
-    if args.random_weights and args.against == "hf":
-        raise opt.OptionError("--against hf needs real weights, not --random-weights")
     if args.against == "llama.cpp":
         if importlib.util.find_spec("llama_cpp") is None:
             raise opt.OptionError("--against llama.cpp needs llama-cpp-python, which is not installed "
@@ -213,58 +244,89 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         if device != "cpu":
             raise opt.OptionError("--against llama.cpp runs on the CPU: add --device cpu")
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
-    paged = engine_options.paged_kv
-    default = dataclasses.replace(engine_options, paged_kv=None)
-    runners: dict[str, Callable] = {"default": _ours(model, tokenizer, default, args.gen_len)}
-    if paged is not None:
-        runners["paged"] = _ours(model, tokenizer, engine_options, args.gen_len)
+    runners: dict[str, Callable] = {
+        "default": _ours(model, tokenizer, dataclasses.replace(engine_options, paged_kv=None), args.gen_len)}
+    for name, options in paged_configs(engine_options, device).items():
+        runners[name] = _ours(model, tokenizer, options, args.gen_len)
     if quantization != "none":
         qmodel = load_for_bench(args, quantization=quantization)[0]
-        runners[quantization] = _ours(qmodel, tokenizer, default, args.gen_len)
+        runners[quantization] = _ours(qmodel, tokenizer, dataclasses.replace(engine_options, paged_kv=None),
+                                      args.gen_len)
     if args.against == "hf":
-        runners["hf"] = _hf(resolve(spec), device, dtype, args.gen_len)
+        from .throughput import hf_model
+
+        runners["hf"] = _hf(hf_model(spec, args.random_weights, model, device, dtype), device, args.gen_len)
     if args.against == "llama.cpp":
         runners["llama.cpp"] = _llama_cpp(gguf_path(spec), args.gen_len, max(args.prompt_len) + args.gen_len + 8)
+    bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
 
     for n in args.prompt_len:
         ids = prompt_ids(tokenizer, n)
         if len(ids) < n:
             raise opt.OptionError(f"could not build a {n}-token prompt")
-        for run in runners.values():  # warm-up: allocator, caches, kernels
-            run(ids[: min(n, 32)])
+        for name, run in runners.items():  # warm-up: allocator, caches, kernels, compilation
+            run(ids if name == "hf" else ids[: min(n, 32)])
         timings = {name: Timing() for name in runners}
         for _ in range(args.repeats):
             for name, run in runners.items():
                 timings[name].add(*run(ids))
-        _report(args, spec, device, dtype, n, paged, timings)
+        roofline = None
+        if bandwidth is not None:
+            step_bytes = bytes_per_decode_step(model, n + args.gen_len // 2)
+            roofline = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "bytes_per_step": step_bytes,
+                        "roofline_ms": step_bytes / bandwidth * 1e3}
+        _report(args, spec, device, dtype, n, engine_options.paged_kv, timings, roofline)
     return 0
 
 
-def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing]) -> None:
+def paged_configs(engine_options: opt.EngineOptions, device: str) -> dict[str, opt.EngineOptions]:
+    """The paged configurations a bench compares: on CUDA with the backend
+    left to ``auto``, the gather path and the in-place kernels side by side
+    ("paged-gather", "paged-fused"); else the one asked for ("paged")."""
+    if engine_options.paged_kv is None:
+        return {}
+    if engine_options.attention_backend == "auto" and device.startswith("cuda"):
+        return {"paged-gather": dataclasses.replace(engine_options, attention_backend="torch"),
+                "paged-fused": dataclasses.replace(engine_options, attention_backend="triton")}
+    return {"paged": engine_options}
+
+
+def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roofline: dict | None) -> None:
     med = {k: (statistics.median(t.prefill_tok_s), statistics.median(t.decode_tok_s))
            for k, t in timings.items()}
     base = {
-        "model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
-        "prompt_len": n, "gen_len": args.gen_len, "repeats": args.repeats,
-        "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "model": spec, "random_weights": bool(args.random_weights), "device": device,
+        "dtype": str(dtype).removeprefix("torch."), "prompt_len": n, "gen_len": args.gen_len,
+        "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
+    if device.startswith("cuda"):
+        base["gpu"] = torch.cuda.get_device_name(device)
+    if roofline is not None:
+        base.update(copy_bandwidth_gb_s=roofline["copy_bandwidth_gb_s"], bytes_per_step=roofline["bytes_per_step"],
+                    roofline_ms_per_token=round(roofline["roofline_ms"], 4))
     rows = []
     against = next((k for k in ("hf", "llama.cpp") if k in med), None)
     tag = {"hf": "hf", "llama.cpp": "llama_cpp"}.get(against)
-    for name in ("default", "paged", "int8", "int4"):
-        if name not in med:
+    for name in med:
+        if name == against:
             continue
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
-               "paged_kv": name == "paged",
-               "block_size": paged.block_size if name == "paged" else None,
+               "decode_ms_per_token": round(1e3 / med[name][1], 3),
+               "paged_kv": name.startswith("paged"),
+               "block_size": paged.block_size if name.startswith("paged") else None,
                "quantization": name if name in ("int8", "int4") else "none"}
+        if roofline is not None:
+            row["roofline_fraction"] = round(roofline["roofline_ms"] * med[name][1] / 1e3, 3)
         if name != "default":
             row["decode_ratio_vs_default"] = round(med[name][1] / med["default"][1], 3)
             row["prefill_ratio_vs_default"] = round(med[name][0] / med["default"][0], 3)
         if against:
             row[f"{tag}_prefill_tok_s"] = round(med[against][0], 2)
             row[f"{tag}_decode_tok_s"] = round(med[against][1], 2)
+            row[f"{tag}_decode_ms_per_token"] = round(1e3 / med[against][1], 3)
+            if roofline is not None:
+                row[f"{tag}_roofline_fraction"] = round(roofline["roofline_ms"] * med[against][1] / 1e3, 3)
             row[f"prefill_ratio_vs_{tag}"] = round(med[name][0] / med[against][0], 3)
             row[f"decode_ratio_vs_{tag}"] = round(med[name][1] / med[against][1], 3)
         rows.append(row)
@@ -273,7 +335,7 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing]) -> 
             print(json.dumps(row), flush=True)
         else:
             extra = "".join(
-                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", f"{tag}_decode_tok_s",
+                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "roofline_fraction", f"{tag}_decode_tok_s",
                                             f"decode_ratio_vs_{tag}") if k in row)
-            print(f"{row['name']:16s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
+            print(f"{row['name']:20s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
                   f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)

@@ -289,7 +289,7 @@ def _check(args) -> None:
 
 
 def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import load_for_bench
+    from .decode import load_for_bench, paged_configs
 
     _check(args)
     model, tokenizer, device, dtype, spec = load_for_bench(args)
@@ -303,8 +303,7 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     configs: dict[str, opt.EngineOptions] = {}
     if paged is None or args.stores == "both":
         configs["default"] = dataclasses.replace(engine_options, paged_kv=None)
-    if paged is not None:
-        configs["paged"] = engine_options
+    configs.update(paged_configs(engine_options, device))
     runs: dict[str, list[Run]] = {name: [] for name in configs}
     kv_capacity: dict[str, int] = {}
     # One engine at a time: on CUDA the paged pool takes most free memory, and
@@ -366,7 +365,7 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
     rows = []
     if interrupted:
         base["interrupted"] = True
-    for name in ("default", "paged"):
+    for name in [k for k in runs if k != "hf"]:
         if not runs.get(name):
             if name in runs:
                 rows.append({"name": f"pagedlm-{name}", **base, "store": name, "error": "interrupted"})
@@ -374,7 +373,7 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
         r = _median_run(runs[name])
         s = r.stats
         row = {"name": f"pagedlm-{name}", **base, "store": name,
-               "block_size": paged.block_size if name == "paged" else None,
+               "block_size": paged.block_size if name.startswith("paged") else None,
                "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
@@ -383,7 +382,7 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
                "kv_bytes_padded": round(s.kv_bytes_padded),
                "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated, "kv_capacity_bytes": kv_capacity[name],
                "peak_running": s.peak_running, "steps": s.steps, "preemptions": s.preemptions}
-        if name == "paged" and runs.get("default"):
+        if name != "default" and runs.get("default"):
             row["ratio_vs_default"] = round(r.tok_s / _median_run(runs["default"]).tok_s, 3)
         if hf is not None:
             row["hf_output_tok_s"] = round(hf.tok_s, 2) if hf.error is None else None

@@ -15,13 +15,17 @@ STEP = 256
 
 
 def causal_mask(
-    n_queries: int, offset: int, device: torch.device | str | None = None
+    n_queries: int, offset: int, device: torch.device | str | None = None, window: int | None = None
 ) -> torch.Tensor:
     """Bool ``[n_queries, offset + n_queries]``: query ``i`` (absolute position
-    ``offset + i``) may attend to keys at positions ``<= offset + i``."""
+    ``offset + i``) may attend to keys at positions ``<= offset + i``, and with
+    a ``window`` only to those less than ``window`` positions back."""
     q = torch.arange(offset, offset + n_queries, device=device)
     k = torch.arange(offset + n_queries, device=device)
-    return k[None, :] <= q[:, None]
+    mask = k[None, :] <= q[:, None]
+    if window is not None:
+        mask &= k[None, :] > q[:, None] - window
+    return mask
 
 
 def _device_of(t: torch.Tensor | None, device: torch.device | str | None):

@@ -11,7 +11,11 @@ query head of the group. The pools are allocated once, from a byte budget;
 which blocks a sequence owns is the block manager's business
 (``batch.block_manager``), not the pool's.
 
-On this reference path ``gather`` copies rows' blocks into one contiguous
+Writes go through ``kernels.paged_attention.write_kv`` (keys and values in
+one launch) when the pools are ``fused``, that is when attention reads them
+in place with the Triton kernels; else through two ``index_copy_``.
+
+On the reference path ``gather`` copies rows' blocks into one contiguous
 ``[rows, length, H_kv, D]`` tensor (one prompt-chunk row at its length, or
 every decode row at the longest): the same shapes, strides and (unmasked)
 values as the default store's ``KVCache`` fetches, hence the same attention
@@ -21,6 +25,8 @@ bits.
 from __future__ import annotations
 
 import torch
+
+from pagedlm.kernels.paged_attention import write_kv
 
 
 class PagedPools:
@@ -33,10 +39,12 @@ class PagedPools:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        fused: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"a paged pool needs at least one block (got {num_blocks})")
         self.layers = list(layers)
+        self.fused = fused
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a batched decode reads the slots past a row's end
@@ -58,6 +66,9 @@ class PagedPools:
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``[T, H_kv, D]`` keys/values at ``slot_mapping`` ``[T]``: one indexed copy each."""
         k, v = self.k[layer], self.v[layer]
+        if self.fused:
+            write_kv(keys, values, k, v, slot_mapping)
+            return
         k.view(-1, *k.shape[2:]).index_copy_(0, slot_mapping, keys)
         v.view(-1, *v.shape[2:]).index_copy_(0, slot_mapping, values)
 

@@ -15,13 +15,21 @@ layer when the engine starts:
   - paged pools (``--paged-kv``, full-attention layers): ``PagedPools``,
     written through the step's slot mapping, read through its block tables.
 
-Both hand ``attention.attend_row`` a contiguous ``[S, H_kv, D]`` tensor of
-exactly the row's keys, so for the same schedule the paged store gives the
-default store's bits.
+On the reference path (``--attention-backend torch``) both hand
+``attention.attend_row`` a contiguous ``[S, H_kv, D]`` tensor of exactly the
+row's keys, so for the same schedule the paged store gives the default
+store's bits. With ``kernels`` (``--attention-backend triton``) every layer
+is paged, sliding ones too (the kernel bounds them by their window; their
+blocks are not reclaimed behind the window), and decode rows attend in place
+through ``kernels.paged_attention.paged_decode``: a step whose rows all
+decode is then nothing but fixed-shape launches, which is what lets the
+engine replay it as a CUDA graph. Prompt chunks still gather their blocks
+and call SDPA.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 from pagedlm.attention import attend_row, attend_rows
 from pagedlm.cache.base import Cache
 from pagedlm.cache.kv import KVCache, RotatingKVCache, causal_mask
+from pagedlm.kernels.paged_attention import paged_decode
 
 if TYPE_CHECKING:
     from pagedlm.batch.step import StepBatch
@@ -71,9 +80,10 @@ def make_row_caches(specs: list[KVSpec], paged_layers: frozenset[int] = frozense
 
 
 class KVStore:
-    def __init__(self, specs: list[KVSpec], pools: "PagedPools | None" = None) -> None:
+    def __init__(self, specs: list[KVSpec], pools: "PagedPools | None" = None, kernels: bool = False) -> None:
         self.specs = specs
         self.pools = pools
+        self.kernels = kernels
         self.paged_layers = frozenset(pools.layers if pools is not None else ())
         self._row_layers = [i for i in range(len(specs)) if i not in self.paged_layers]
         self.rows: dict[int, list[Cache | None]] = {}
@@ -112,6 +122,8 @@ class KVStore:
         self._fetched[layer] = fetched
 
     def attend(self, layer: int, q: torch.Tensor, step: "StepBatch", *, scale: float) -> torch.Tensor:
+        if self.kernels:
+            return self._attend_in_place(layer, q, step, scale)
         plan = self._plan(step, q.device)
         fetched = self._fetched.pop(layer, None)  # None: a paged layer
         if len(step.seq_ids) == 1:  # one row: its output is the whole output
@@ -127,6 +139,24 @@ class KVStore:
             out[a:b] = self._attend_one(layer, q[a:b], plan, r, fetched, scale)
         return out
 
+    def _attend_in_place(self, layer, q, step, scale) -> torch.Tensor:
+        """Kernels: decode rows read their blocks where they lie; prompt
+        chunks gather theirs. A step of decode rows only reads nothing on
+        the host (a CUDA graph replays it)."""
+        k, v, window = self.pools.k[layer], self.pools.v[layer], self.specs[layer].window
+        if step.num_tokens == len(step.seq_ids):
+            return paged_decode(q, k, v, step.block_tables, step.seq_lens, scale, window)
+        plan = self._plan(step, q.device)
+        out = torch.empty_like(q)
+        if plan.decode:
+            out[plan.decode_tokens] = paged_decode(q[plan.decode_tokens], k, v, plan.decode_tables,
+                                                   plan.decode_seq_lens, scale, window)
+        bounds = step.query_start_host
+        for r in plan.prefill:
+            a, b = bounds[r], bounds[r + 1]
+            out[a:b] = self._attend_one(layer, q[a:b], plan, r, None, scale)
+        return out
+
     def _attend_one(self, layer, q, plan, r, fetched, scale) -> torch.Tensor:
         """A row with several queries (a prompt chunk): its keys, its mask, SDPA."""
         if fetched is not None:
@@ -136,7 +166,7 @@ class KVStore:
             seq_len = step.seq_lens_host[r]
             k, v = self.pools.gather(layer, step.block_tables[r : r + 1], seq_len)
             k, v = k[0], v[0]
-            mask = plan.causal(r, q.shape[0], seq_len)
+            mask = plan.causal(r, q.shape[0], seq_len, self.specs[layer].window)
         return attend_row(q, k, v, mask, scale)
 
     def _attend_rows(self, layer, q, plan, fetched, scale) -> torch.Tensor:
@@ -173,22 +203,28 @@ class _StepPlan:
         self.prefill = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] > 1)
         self.decode_tokens = torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=device)
         self.decode_lens = tuple(step.seq_lens_host[r] for r in self.decode)
-        self._tables: torch.Tensor | None = None
         self._masks: dict = {}
 
-    @property
+    @functools.cached_property
     def decode_tables(self) -> torch.Tensor:
         """The decode rows' block tables (paged store)."""
-        if self._tables is None:
-            rows = torch.tensor(self.decode, dtype=torch.long, device=self.step.block_tables.device)
-            self._tables = self.step.block_tables.index_select(0, rows)
-        return self._tables
+        return self.step.block_tables.index_select(0, self._decode_rows)
 
-    def causal(self, row: int, n: int, seq_len: int) -> torch.Tensor:
-        """A prompt chunk's causal mask, once per step for every paged layer."""
-        key = ("causal", row)
+    @functools.cached_property
+    def decode_seq_lens(self) -> torch.Tensor:
+        """The decode rows' lengths, on the device (kernels)."""
+        return self.step.seq_lens.index_select(0, self._decode_rows)
+
+    @functools.cached_property
+    def _decode_rows(self) -> torch.Tensor:
+        return torch.tensor(self.decode, dtype=torch.long, device=self.step.seq_lens.device)
+
+    def causal(self, row: int, n: int, seq_len: int, window: int | None = None) -> torch.Tensor:
+        """A prompt chunk's causal mask (bounded by a sliding ``window``),
+        once per step for every paged layer."""
+        key = ("causal", row, window)
         if key not in self._masks:
-            self._masks[key] = causal_mask(n, seq_len - n, self.device)
+            self._masks[key] = causal_mask(n, seq_len - n, self.device, window)
         return self._masks[key]
 
     def padding(self, lengths: tuple[int, ...]) -> torch.Tensor | None:

@@ -93,6 +93,8 @@ def test_server_options_flag_beats_env_beats_default():
         (["generate", "--temp", "abc", "hi"], "invalid float value"),
         (["generate", "--model", "/no/such/model", "hi"], "/no/such/model"),
         (["frobnicate"], "invalid choice"),
+        (["generate", "--attention-backend", "triton", "hi"], "add --paged-kv"),
+        (["generate", "--attention-backend", "flash", "--paged-kv", "hi"], "--attention-backend must be"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
@@ -115,3 +117,21 @@ def test_serve_checks_its_address_before_loading_the_model(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
     assert main(["serve", "--model", "/no/such/model", "--host", "no.such.host.invalid"]) == 2
     assert "cannot listen on no.such.host.invalid" in capsys.readouterr().err
+
+
+def test_triton_attention_off_cuda_is_refused_unless_interpreted(monkeypatch):
+    flags = {"paged_kv": True, "attention_backend": "triton"}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(opt.UnsupportedOption, match="needs CUDA"):
+        opt.resolve_engine_options(flags, environ={}, device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert opt.resolve_engine_options(flags, environ={}, device="cpu").attention_backend == "triton"
+
+
+def test_enforce_eager_is_a_switch_with_an_env_variable():
+    assert opt.resolve_engine_options({}, environ={}).enforce_eager is False
+    assert opt.resolve_engine_options({}, environ={"PAGEDLM_ENFORCE_EAGER": "1"}).enforce_eager is True
+    assert opt.resolve_engine_options({"enforce_eager": False},
+                                      environ={"PAGEDLM_ENFORCE_EAGER": "1"}).enforce_eager is False
+    with pytest.raises(opt.OptionError, match="PAGEDLM_ENFORCE_EAGER must be 1 or 0"):
+        opt.resolve_engine_options({}, environ={"PAGEDLM_ENFORCE_EAGER": "maybe"})

@@ -1,0 +1,105 @@
+"""CUDA graphs of the decode step: ``DecodeGraphs``.
+
+A decode step of a small model is launch-bound: a few hundred kernels of a
+few microseconds each, every one paying the host's Python and the driver's
+launch. Captured once as a CUDA graph, the whole forward pass (embedding,
+every layer's write and in-place attention, the output head) replays with
+one launch.
+
+A graph bakes in its shapes and addresses, so the step it replays reads
+static buffers: token ids, positions, slot mapping, lengths and a block
+table as wide as the longest sequence the engine admits. One graph is
+captured per batch size in ``capture_sizes`` (largest first, sharing one
+memory pool); a step of ``n`` rows copies its inputs into the first ``n``
+rows of the buffers and replays the smallest graph of at least ``n`` rows.
+The rows past ``n`` are padding: slot -1 (``write_kv`` skips it), length 1
+over block 0 (finite: the pools start zeroed), logits thrown away.
+
+Only steps whose rows all decode (one query each, every row sampling) run
+here; prompt chunks run eagerly. Only the kernel path can be captured: the
+torch path builds masks and gathers from host-known lengths.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .step import StepBatch
+
+if TYPE_CHECKING:
+    from pagedlm.cache.store import KVStore
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (rounded up)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += range(16, max_num_seqs + 16, 16) if max_num_seqs > 8 else [max_num_seqs]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, store: "KVStore", max_num_seqs: int,
+                 table_width: int, block_size: int, device: torch.device) -> None:
+        self.model, self.store = model, store
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.block_tables = zeros(n), zeros(n), zeros(n, table_width)
+        self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.max_position = table_width * block_size - 1
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self.graphs[size] = self._capture(size, pool)
+
+    def _step(self, n: int) -> StepBatch:
+        """A decode step over the first ``n`` rows of the buffers."""
+        rows = tuple(range(n))
+        return StepBatch(
+            input_ids=self.input_ids[:n], positions=self.positions[:n],
+            query_start=None, seq_lens=self.seq_lens[:n], logits_rows=None,
+            slot_mapping=self.slot_mapping[:n], block_tables=self.block_tables[:n],
+            seq_ids=rows, query_start_host=tuple(range(n + 1)), seq_lens_host=(),
+            sampling_rows=rows, max_position=self.max_position,
+        )
+
+    def _forward(self, step: StepBatch) -> torch.Tensor:
+        hidden = self.model(step.input_ids, step.positions, self.store, step)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, n: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        step = self._step(n)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):  # compile the kernels, grow RoPE's table: nothing allocates in capture
+                self._forward(step)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            logits = self._forward(step)
+        return graph, logits
+
+    def can_run(self, step: StepBatch) -> bool:
+        n = len(step.seq_ids)
+        return step.num_tokens == n and len(step.sampling_rows) == n and n <= self.sizes[-1]
+
+    def run(self, step: StepBatch) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of a decode step of ``n`` rows (``can_run``)."""
+        n = len(step.seq_ids)
+        size = next(b for b in self.sizes if b >= n)
+        self.input_ids[:n].copy_(step.input_ids)
+        self.positions[:n].copy_(step.positions)
+        self.seq_lens[:n].copy_(step.seq_lens)
+        self.slot_mapping[:n].copy_(step.slot_mapping)
+        self.block_tables[:n, : step.block_tables.shape[1]].copy_(step.block_tables)
+        if size > n:  # padding rows: write nothing, read one finite key
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].fill_(0)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]

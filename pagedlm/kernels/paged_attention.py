@@ -1,0 +1,227 @@
+"""Triton kernels over the paged pools, each beside its pure-torch reference.
+
+    write_kv(keys, values, k_pool, v_pool, slot_mapping)            # one launch per layer
+    paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale)  # one query per row
+
+The pools are ``[num_blocks, block_size, H_kv, D]`` (``cache.paged``); a
+row's token ``j`` lives at slot ``table[j // block_size] * block_size + j %
+block_size``. The kernels compute that address per token, so the block size
+only changes where rows come from, never the tiling.
+
+Decode is split-K ("flash-decoding"): a row's keys are cut into splits of
+``SPLIT`` tokens at fixed boundaries (0, SPLIT, 2*SPLIT, ...). The grid is
+(row, KV head, ``PROGRAMS``): program ``z`` takes splits ``z, z + PROGRAMS,
+...`` in order and keeps one running softmax over them for every query head
+of the KV group at once (the keys are read once per group, not once per
+query head); a second kernel merges a row's ``PROGRAMS`` partials. Where a
+key lands depends on nothing but the row's own length, so a row's output is
+the same whatever its neighbours in the batch; and the grid depends on the
+batch size and the heads only, so one CUDA graph serves every length.
+Scores and the running softmax are float32; the probabilities meet the
+values in the values' dtype, as flash attention does.
+A sliding-window layer passes ``window``: keys older than ``seq_len -
+window`` are skipped (the query at position ``p`` sees ``p - j < window``).
+
+Triton is imported lazily-tolerant: without it (a CPU-only install) the
+module imports, ``available()`` is False and the engine uses the torch path.
+Under ``TRITON_INTERPRET=1`` the kernels run on the CPU (the tests do this).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the reference path serves
+    triton = None
+
+SPLIT = 256  # keys per decode split: fixed, so a row's result ignores its neighbours
+PROGRAMS = 16  # programs per (row, KV head); program z takes splits z, z + 16, ...
+BLOCK_N = 64  # keys per tile inside a split
+NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
+MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels can run for tensors on ``device``."""
+    if triton is None:
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# -- the key/value write -----------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(K, V, KPool, VPool, Slots, stride_k, stride_v, stride_slot,
+                         N: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(Slots + t).to(tl.int64)
+        if slot >= 0:  # -1: a padded row under a CUDA graph writes nothing
+            offs = tl.arange(0, BLOCK)
+            m = offs < N
+            tl.store(KPool + slot * stride_slot + offs, tl.load(K + t * stride_k + offs, mask=m), mask=m)
+            tl.store(VPool + slot * stride_slot + offs, tl.load(V + t * stride_v + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, KPool, VPool, Tables, SeqLens, OutPart, LsePart,
+        stride_qb, stride_qh, stride_slot, stride_kh, stride_tb,
+        stride_ob, stride_oh, stride_oz, stride_lb, stride_lh,
+        scale, window,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+        SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        z = tl.program_id(2)
+        seq_len = tl.load(SeqLens + b)
+        lo = tl.maximum(seq_len - window, 0)
+        # This program's splits: z, z + PROGRAMS, ... from the first in the window.
+        s_begin = z + tl.cdiv(tl.maximum(lo // SPLIT - z, 0), PROGRAMS) * PROGRAMS
+
+        g = tl.arange(0, G_PAD)
+        gmask = g < G
+        heads = kvh * G + g
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        kv_base = kvh * stride_kh
+        for s in range(s_begin, tl.cdiv(seq_len, SPLIT), PROGRAMS):
+            end = tl.minimum(s * SPLIT + SPLIT, seq_len)
+            for n0 in range(tl.maximum(s * SPLIT, lo), end, BLOCK_N):
+                toks = n0 + tl.arange(0, BLOCK_N)
+                tmask = toks < end
+                block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
+                offs = (block * BS + toks % BS)[:, None] * stride_slot + kv_base + d[None, :]
+                k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0)
+                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                qk = tl.where(tmask[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+        filled = l_i > 0  # a program whose splits are all past the row's end (or before its window)
+        safe_l = tl.where(filled, l_i, 1.0)
+        lse = tl.where(filled, m_i + tl.log(safe_l), float("-inf"))
+        tl.store(OutPart + b * stride_ob + heads[:, None] * stride_oh + z * stride_oz + d[None, :],
+                 acc / safe_l[:, None], mask=gmask[:, None])
+        tl.store(LsePart + b * stride_lb + heads * stride_lh + z, lse, mask=gmask)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        OutPart, LsePart, Out,
+        stride_pb, stride_ph, stride_pz, stride_lb, stride_lh, stride_ob, stride_oh,
+        D: tl.constexpr, PROGRAMS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        z = tl.arange(0, PROGRAMS)
+        d = tl.arange(0, D)
+        lse = tl.load(LsePart + b * stride_lb + h * stride_lh + z)  # >= 1 finite: a row has a key
+        part = tl.load(OutPart + b * stride_pb + h * stride_ph + z[:, None] * stride_pz + d[None, :])
+        w = tl.exp(lse - tl.max(lse, 0))  # empty programs: exp(-inf) = 0
+        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``[T, H_kv, D]`` keys and values at ``slot_mapping`` ``[T]`` (a
+    negative slot is skipped): one launch for both."""
+    T = keys.shape[0]
+    if T == 0:
+        return
+    n = keys.shape[1] * keys.shape[2]
+    keys, values = _rows_flat(keys), _rows_flat(values)
+    _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, slot_mapping, keys.stride(0), values.stride(0),
+                           k_pool.stride(1), N=n, BLOCK=triton.next_power_of_2(n))
+
+
+def write_kv_reference(keys, values, k_pool, v_pool, slot_mapping) -> None:
+    """What ``write_kv`` does, in torch."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_pool.view(-1, *k_pool.shape[2:])[slots] = keys[keep]
+    v_pool.view(-1, *v_pool.shape[2:])[slots] = values[keep]
+
+
+def _rows_flat(x: torch.Tensor) -> torch.Tensor:
+    """``[T, H, D]`` whose heads and dims are contiguous within a token (a
+    slice of the fused qkv projection is); anything else is copied."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def _window(window: int | None) -> int:
+    """The kernels' window: no window is one wider than any sequence."""
+    return window if window is not None else NO_WINDOW
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row over its paged keys: ``q`` ``[B, H_q,
+    D]``, ``block_tables`` ``[B, W]``, ``seq_lens`` ``[B]`` (keys per row, the
+    query's own included). Returns ``[B, H_q, D]``. The launch's shape
+    depends on ``B`` and the heads only, never on lengths: a CUDA graph
+    captured once serves every length."""
+    B, Hq, D = q.shape
+    _, BS, Hkv, _ = k_pool.shape
+    G = Hq // Hkv
+    part = torch.empty((B, Hq, PROGRAMS, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq, PROGRAMS), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    _decode_split_kernel[(B, Hkv, PROGRAMS)](
+        q, k_pool, v_pool, block_tables, seq_lens, part, lse,
+        q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        scale, _window(window),
+        G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT, PROGRAMS=PROGRAMS,
+        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    _decode_merge_kernel[(B, Hq)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), D=D, PROGRAMS=PROGRAMS,
+    )
+    return out
+
+
+def paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
+    """What ``paged_decode`` computes, row by row in float64 (tests' oracle)."""
+    B, Hq, D = q.shape
+    BS, Hkv = k_pool.shape[1], k_pool.shape[2]
+    out = torch.empty((B, Hq, D), dtype=torch.float64, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        toks = torch.arange(n, device=q.device)
+        slots = block_tables[b, toks // BS].long() * BS + toks % BS
+        k = k_pool.reshape(-1, Hkv, D)[slots].double().repeat_interleave(Hq // Hkv, dim=1)
+        v = v_pool.reshape(-1, Hkv, D)[slots].double().repeat_interleave(Hq // Hkv, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        if window is not None:
+            scores[:, toks < n - window] = float("-inf")
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+    return out

@@ -1,0 +1,125 @@
+"""The Triton paged kernels against their float64 references.
+
+On a machine without CUDA they run under ``TRITON_INTERPRET=1`` (set by
+tests/conftest.py) at small sizes; tests/gpu runs them at full size in bf16.
+The interpreter cannot hold bfloat16, so here the inputs are float32 and
+float16. Inputs are random, never zeros; outputs are poisoned with NaN first,
+so an element the kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm.kernels import paged_attention as pa
+
+pytestmark = pytest.mark.skipif(not pa.available("cpu") and not torch.cuda.is_available(),
+                                reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=0, spare_blocks=3):
+    """Pools with every block random (stale slots included), rows given
+    shuffled, non-contiguous blocks, tables padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + spare_blocks
+    shape = (num_blocks, block_size, hkv, d)
+    k_pool = torch.randn(shape, generator=g).to(dtype)
+    v_pool = torch.randn(shape, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(need) + 1
+    tables = torch.full((len(lengths), width), -1, dtype=torch.long)
+    for r, n in enumerate(need):
+        tables[r, :n] = torch.tensor([order.pop() for _ in range(n)])
+    q = torch.randn(len(lengths), hq, d, generator=g).to(dtype)
+    seq_lens = torch.tensor(lengths)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(q), to(k_pool), to(v_pool), to(tables), to(seq_lens)
+
+
+@pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [
+    (16, [1, 17, 300], 4, 4, 64),        # GQA 1, a one-token row, a partial last block
+    (16, [513, 40], 16, 1, 64),          # GQA 16, three splits beside one
+    (64, [257, 256, 255], 8, 2, 128),    # lengths at the split boundary
+    (128, [600, 3], 6, 2, 256),          # GQA 3 (not a power of two), head dim 256
+    (256, [700, 1000, 31], 8, 1, 128),   # big blocks, several splits per block
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_matches_float64_reference(block_size, lengths, hq, hkv, d, dtype):
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, dtype)
+    scale = d ** -0.5
+    out = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, scale)
+    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 5, 256, 300])
+def test_decode_sliding_window_skips_old_keys(window):
+    lengths = [700, 260, 4]
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 4, 1, 64, torch.float32, seed=window)
+    out = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, window=window)
+    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window=window)
+    full = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out[:2], full[:2]) > 1e-2  # the window really changed the long rows
+
+
+def test_decode_row_ignores_neighbours_and_table_width():
+    """A row's bits do not depend on who shares its batch, nor on how wide
+    the block table is padded (a CUDA graph pads it to the longest context)."""
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs([4200, 20, 333], 16, 8, 2, 64, torch.float32, seed=3)
+    together = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125)
+    wide = torch.cat([tables, torch.full((3, 500), -1, device=tables.device)], dim=1)
+    padded = pa.paged_decode(q, k_pool, v_pool, wide, seq_lens, 0.125)
+    alone = pa.paged_decode(q[2:], k_pool, v_pool, tables[2:, :21], seq_lens[2:], 0.125)
+    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)
+    assert rel_err(together, ref) < 1e-5  # 17 splits: programs take two each
+    assert torch.equal(together, padded)
+    assert torch.equal(together[2:], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_fills_exactly_the_mapped_slots(dtype):
+    g = torch.Generator().manual_seed(7)
+    T, H, D, blocks, bs = 9, 2, 64, 6, 16
+    k_pool = torch.randn(blocks, bs, H, D, generator=g).to(dtype).to(DEVICE)
+    v_pool = torch.randn(blocks, bs, H, D, generator=g).to(dtype).to(DEVICE)
+    # keys as a slice of a fused projection (strided over tokens), values contiguous
+    fused = torch.randn(T, 3 * H, D, generator=g).to(dtype).to(DEVICE)
+    keys, values = fused[:, H : 2 * H], torch.randn(T, H, D, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([5, 17, 95, -1, 0, 40, 41, -1, 63], device=DEVICE)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    pa.write_kv_reference(keys, values, want_k, want_v, slots)
+    pa.write_kv(keys, values, k_pool, v_pool, slots)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    flat = k_pool.view(-1, H, D)
+    assert torch.equal(flat[95], keys[2]) and torch.equal(flat[63], keys[8])
+
+
+def test_engine_with_kernels_matches_the_torch_path(tiny):
+    """The whole engine on the kernels (sliding layers paged and bounded in
+    the kernel; decode rows in place; prompt chunks beside them) against the
+    torch path: the same greedy tokens, logprobs within 1e-4 (float32)."""
+    from pagedlm.batch.engine import LLMEngine
+    from tests.fast.test_engine import GREEDY, paged, prompts, run_all
+
+    family, model, tok = tiny
+    batch = prompts(3, seed=11, lo=2, hi=20)
+    opts = dict(max_num_batched_tokens=16, max_num_seqs=4)
+    want = run_all(LLMEngine(model, tok, paged(8, attention_backend="torch", **opts)), batch, GREEDY,
+                   arrive_every=2)
+    engine = LLMEngine(model, tok, paged(8, attention_backend="triton", **opts))
+    assert engine.kernels and engine.store.paged_layers == frozenset(range(len(engine.specs)))
+    got = run_all(engine, batch, GREEDY, arrive_every=2)
+    assert max(len(s.prompt_ids) + len(s.output_ids) for s in got) > 16  # past tiny Gemma's window
+    for a, b in zip(want, got):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
