@@ -1,0 +1,121 @@
+"""GPU fast path on the H200 (issue 9), in one process: the decode kernel's
+achieved bandwidth against the copy bandwidth, and the decode throughput
+curve over batch sizes, paged-fused (kernels + CUDA graphs) against the
+default store, on the same random weights.
+
+Usage (repository root, GPU machine):  PYTHONPATH=. python3 benchmarks/gpu_fast.py [--out DIR]
+Needs torch and triton only. Prints a table last; JSON rows under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from pagedlm.bench.decode import copy_bandwidth, load_random
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.kernels import paged_attention as pa
+from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
+
+ROOT = Path(__file__).resolve().parent
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m": (4, 1, 256)}
+
+
+def kernel_rows(bandwidth: float) -> list[dict]:
+    rows = []
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for batch, context in ((1, 512), (1, 4096), (1, 32768), (8, 4096), (64, 2048), (256, 1024)):
+            bs = 16
+            blocks_per_row = -(-context // bs)
+            num_blocks = batch * blocks_per_row
+            k_pool = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v_pool = torch.randn_like(k_pool)
+            tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row)
+            seq_lens = torch.full((batch,), context, device="cuda")
+            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+            ms = triton.testing.do_bench(lambda: pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5),
+                                         warmup=50, rep=300, return_mode="median")
+            nbytes = 2 * batch * context * hkv * d * 2 + 2 * q.numel() * 2
+            rows.append({"kind": "kernel", "shape": shape, "batch": batch, "context": context, "block_size": bs,
+                         "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1),
+                         "fraction_of_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)})
+            print(json.dumps(rows[-1]), flush=True)
+            del k_pool, v_pool
+    return rows
+
+
+def decode_tok_s(engine: LLMEngine, batch: int, prompt: int, gen: int, vocab: int) -> float:
+    """Output tokens per second of ``batch`` rows decoding together (the
+    prefill steps are not timed)."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=gen, ignore_eos=True)
+    seqs = [s for _ in range(batch)
+            for s in engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)]
+    while any(len(s.output_ids) == 0 for s in seqs):
+        engine.step()
+    torch.cuda.synchronize()
+    t0, before = time.perf_counter(), sum(len(s.output_ids) for s in seqs)
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    return (sum(len(s.output_ids) for s in seqs) - before) / (time.perf_counter() - t0)
+
+
+def curve_rows(config: str) -> list[dict]:
+    model, tok = load_random(str(ROOT / "configs" / config), "cuda", torch.bfloat16)
+    vocab = model.args.vocab_size
+    stores = {
+        "default": EngineOptions(kv_budget_bytes=16 << 30, max_model_len=4096),
+        "paged-fused": EngineOptions(paged_kv=PagedKvOptions(16), kv_budget_bytes=16 << 30, max_model_len=4096,
+                                     attention_backend="triton"),
+    }
+    engines = {name: LLMEngine(model, tok, o) for name, o in stores.items()}
+    rows = []
+    for batch in (1, 2, 8, 32, 128, 256):
+        row = {"kind": "curve", "model": config, "batch": batch, "prompt": 256, "gen": 64}
+        for name, engine in engines.items():
+            decode_tok_s(engine, batch, 32, 4, vocab)  # warm-up
+            row[f"{name}_tok_s"] = round(decode_tok_s(engine, batch, 256, 64, vocab), 1)
+        row["fused_vs_default"] = round(row["paged-fused_tok_s"] / row["default_tok_s"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--skip", nargs="*", default=[], choices=["kernel", "curve"])
+    args = p.parse_args()
+    bandwidth = copy_bandwidth("cuda")
+    print(json.dumps({"kind": "copy", "gb_s": round(bandwidth / 1e9, 1),
+                      "gpu": torch.cuda.get_device_name(0)}), flush=True)
+    rows = []
+    if "kernel" not in args.skip:
+        rows += kernel_rows(bandwidth)
+    if "curve" not in args.skip:
+        rows += curve_rows("qwen3-0.6b")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.out) / "gpu_fast.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print("\ncopy bandwidth %.0f GB/s" % (bandwidth / 1e9))
+    for r in rows:
+        if r["kind"] == "kernel":
+            print(f"kernel {r['shape']:14s} B={r['batch']:3d} ctx={r['context']:6d} {r['ms']:8.4f} ms "
+                  f"{r['gb_s']:7.0f} GB/s ({100 * r['fraction_of_copy']:.0f}% of copy)")
+        else:
+            print(f"curve B={r['batch']:3d} default {r['default_tok_s']:9.1f} tok/s  fused "
+                  f"{r['paged-fused_tok_s']:9.1f} tok/s  x{r['fused_vs_default']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
