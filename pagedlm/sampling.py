@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int]:
     plain_set = set(plain)
     tokens = [0] * len(seqs)
     if plain:
-        best = torch.argmax(logits[plain], dim=-1).tolist()
+        best = torch.argmax(logits if len(plain) == len(seqs) else logits[plain], dim=-1).tolist()
         for i, t in zip(plain, best):
             tokens[i] = t
     for i, seq in enumerate(seqs):

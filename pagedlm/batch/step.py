@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -62,28 +63,30 @@ def prepare_step(
         lens.append(begin + n)
         if begin + n == seq.num_tokens:
             sampling.append(r)
-    slot_mapping = block_tables = None
+    # Everything the device needs goes over in one copy, then is cut apart.
+    parts = [ids, positions, starts, lens, [starts[r + 1] - 1 for r in sampling]]
+    width = 0
     if blocks is not None:
         tables = [blocks.tables[seq.seq_id] for seq, _ in rows]
         width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([n for _, n in rows]))
+        padded = np.full((len(rows), width), -1, dtype=np.int64)
+        for r, t in enumerate(tables):
+            padded[r, : len(t)] = t
+        pos = np.asarray(positions, dtype=np.int64)
+        row_of = np.repeat(np.arange(len(rows)), [n for _, n in rows])
         bs = blocks.block_size
-        slot_mapping = (padded[row_of, pos // bs] * bs + pos % bs).to(device)
-        block_tables = padded.to(device)
-
-    def dev(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
+        parts += [padded[row_of, pos // bs] * bs + pos % bs, padded.reshape(-1)]
+    sizes = [len(p) for p in parts]
+    packed = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).to(device)
+    input_ids, positions_t, query_start, seq_lens, logits_rows, *paged = packed.split(sizes)
     return StepBatch(
-        input_ids=dev(ids),
-        positions=dev(positions),
-        query_start=dev(starts),
-        seq_lens=dev(lens),
-        logits_rows=dev([starts[r + 1] - 1 for r in sampling]),
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
+        input_ids=input_ids,
+        positions=positions_t,
+        query_start=query_start,
+        seq_lens=seq_lens,
+        logits_rows=logits_rows,
+        slot_mapping=paged[0] if paged else None,
+        block_tables=paged[1].view(len(rows), width) if paged else None,
         seq_ids=tuple(seq.seq_id for seq, _ in rows),
         query_start_host=tuple(starts),
         seq_lens_host=tuple(lens),

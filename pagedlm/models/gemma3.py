@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from pagedlm.cache.store import KVSpec, KVStore
-from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, apply_rope, fuse_projections
+from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections, norm_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -112,8 +112,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
-        q = apply_rope(self.q_norm(q), rope_rows)
-        k = apply_rope(self.k_norm(k), rope_rows)
+        q = norm_rope(q, rope_rows, self.q_norm)
+        k = norm_rope(k, rope_rows, self.k_norm)
         kv.write(self.layer, k, v, step)
         out = kv.attend(self.layer, q, step, scale=self.scale)
         return self.o_proj(out.reshape(T, -1))

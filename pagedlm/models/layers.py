@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pagedlm.kernels import cpu
+from pagedlm.kernels import cpu, fused
 from pagedlm.kernels.quant import QuantizedWeight
 
 
@@ -36,6 +36,8 @@ class RMSNorm(nn.Module):
         self._n, self._eps, self._one = (torch.tensor(v, dtype=torch.float32, device="cpu") for v in (dim, eps, 1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps, self.unit_offset)
         h = x.float()
         h = h * h.pow(2).sum(-1, keepdim=True).div_(self._n).add_(self._eps).rsqrt_()
         if self.unit_offset:
@@ -124,6 +126,17 @@ def apply_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torc
     """Rotate ``x`` ``[T, H, D]`` by the rows ``RoPE.rows`` looked up for its tokens."""
     cos, sin = rows
     return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * sin)
+
+
+def norm_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], norm: "RMSNorm | None" = None) -> torch.Tensor:
+    """``apply_rope(norm(x), rows)`` (the per-head norm of Qwen3 and Gemma 3,
+    or none): one fused kernel on CUDA (``kernels.fused``), the ops above
+    elsewhere."""
+    if fused.enabled(x):
+        if norm is None:
+            return fused.norm_rope(x, *rows)
+        return fused.norm_rope(x, *rows, norm.weight, norm.eps, norm.unit_offset)
+    return apply_rope(x if norm is None else norm(x), rows)
 
 
 def _lay_out_for_device(param: nn.Parameter) -> None:
@@ -268,7 +281,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(dim, 2 * hidden_dim, bias=bias)
         self.down_proj = Linear(hidden_dim, dim, bias=bias)
         self.act = ACTIVATIONS[activation]
+        self.gelu = activation == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.enabled(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(fused.act_mul(gate_up, self.gelu))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from pagedlm.cache.store import KVSpec, KVStore
-from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, apply_rope, fuse_projections
+from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections, norm_rope
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -118,9 +118,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope_rows), apply_rope(k, rope_rows)
+        q = norm_rope(q, rope_rows, self.q_norm if self.qk_norm else None)
+        k = norm_rope(k, rope_rows, self.k_norm if self.qk_norm else None)
         kv.write(self.layer, k, v, step)
         out = kv.attend(self.layer, q, step, scale=self.scale)
         return self.o_proj(out.reshape(T, -1))

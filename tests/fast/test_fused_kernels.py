@@ -1,0 +1,76 @@
+"""The fused elementwise kernels (CUDA's RMSNorm, norm + RoPE, gated
+activation) against the torch ops they replace, which the CPU runs.
+
+Interpreted here (``TRITON_INTERPRET=1``, float32 and float16: the
+interpreter cannot hold bfloat16); on CUDA they run compiled. They round
+where the torch ops round, so on float16 they agree to within one rounding
+step, and to float32 noise on float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedlm.kernels import fused
+from pagedlm.kernels.paged_attention import available
+from pagedlm.models.layers import ACTIVATIONS, RMSNorm, RoPE, apply_rope
+
+pytestmark = pytest.mark.skipif(not available("cpu") and not torch.cuda.is_available(),
+                                reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal within one float16 rounding (or float32 noise)."""
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -10
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def randn(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [64, 640, 1000])
+def test_rms_norm_matches_the_module(unit_offset, dtype, dim):
+    norm = RMSNorm(dim, 1e-6, unit_offset=unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(1)))
+    norm = norm.to(dtype)
+    x = randn(5, 3, dim, dtype=dtype)
+    want = norm.to("cpu")(x.cpu())
+    got = fused.rms_norm(x, norm.weight.to(DEVICE), norm.eps, unit_offset)
+    assert got.shape == x.shape and close(got.cpu(), want, dtype)
+    assert not close(got.cpu(), x.cpu(), dtype)  # it did normalise
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_rope_matches_norm_then_rope(with_norm, unit_offset, dtype):
+    T, Hq, Hkv, D = 7, 4, 2, 64
+    fused_qkv = randn(T, Hq + 2 * Hkv, D, dtype=dtype)  # k as a strided slice, as the model has it
+    k = fused_qkv[:, Hq : Hq + Hkv]
+    norm = RMSNorm(D, 1e-6, unit_offset=unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=torch.Generator().manual_seed(2)))
+    norm = norm.to(dtype)
+    positions = torch.tensor([0, 1, 2, 50, 51, 300, 1000])
+    cos, sin = RoPE(D, 10000.0).rows(positions, 1000, dtype)
+    want = apply_rope(norm(k.cpu()) if with_norm else k.cpu(), (cos, sin))
+    got = fused.norm_rope(k, cos.to(DEVICE), sin.to(DEVICE), norm.weight.to(DEVICE) if with_norm else None,
+                          norm.eps, unit_offset)
+    assert got.is_contiguous() and close(got.cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_act_mul_matches_act_times_up(gelu, dtype):
+    x = randn(6, 2 * 1500, dtype=dtype)  # two column blocks, the second ragged
+    gate, up = x.cpu().chunk(2, dim=-1)
+    act = ACTIVATIONS["gelu_pytorch_tanh" if gelu else "silu"]
+    want = act(gate) * up
+    assert close(fused.act_mul(x, gelu).cpu(), want, dtype)
