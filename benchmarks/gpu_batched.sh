@@ -20,8 +20,9 @@ OUT=${OUT:-}
 LIMIT=${LIMIT:-470}
 HF_TIMEOUT=${HF_TIMEOUT:-240}
 NUM_PROMPTS=${NUM_PROMPTS:-256}
-BLOCK=${BLOCK:-256}
+BLOCK=${BLOCK:-16}
 STORES=${STORES:-both}  # "paged": skip the default store (its per-row caches are slow on the GPU)
+BACKEND=${BACKEND:-auto}  # paged attention: auto runs paged-gather and paged-fused; triton only the fused
 
 DIR=$(mktemp -d)
 trap 'rm -rf "$DIR"' EXIT
@@ -54,7 +55,8 @@ if [ -n "${HF_NUM_PROMPTS:-}" ]; then HF_ARGS+=(--hf-num-prompts "$HF_NUM_PROMPT
 timeout --signal=INT --kill-after=20 "$LIMIT" \
   python3 -m pagedlm.cli bench throughput --model "$DIR" --random-weights --device cuda \
     --num-prompts "$NUM_PROMPTS" --min-len 100 --max-len 1024 --seed 0 \
-    --paged-kv --paged-kv-block-size "$BLOCK" --stores "$STORES" "${HF_ARGS[@]}" --json \
+    --paged-kv --paged-kv-block-size "$BLOCK" --stores "$STORES" --attention-backend "$BACKEND" \
+    "${HF_ARGS[@]}" --json \
   | tee "$DIR/rows.jsonl"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ]; then

@@ -28,9 +28,13 @@ MAX_MODEL_LEN = 4096  # the pool must hold one sequence of it
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "gemma3-270m"])
-def loaded(request):
-    model, tokenizer = load_random(str(CONFIGS / request.param), "cuda", torch.bfloat16)
-    return model, tokenizer
+def config(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def loaded(config):
+    return load_random(str(CONFIGS / config), "cuda", torch.bfloat16)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -38,11 +42,11 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (700, 300, 45, 1)]
 
 
-def _run(model, tokenizer, **kw):
+def _run(model, tokenizer, logprobs=1, **kw):
     llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=512,
               max_model_len=MAX_MODEL_LEN, **kw)
     outs = llm.generate(_prompts(tokenizer.vocab_size),
-                        SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=1), use_tqdm=False)
+                        SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=logprobs), use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -56,17 +60,43 @@ def test_paged_bf16_batch_equals_default_exactly(loaded):
         assert got == expected, block_size
 
 
-def test_paged_fused_under_graphs_gives_the_reference_greedy_tokens(loaded):
+NEAR_TIE = 0.1  # nats: bf16 attention rounds differently in the kernel and in SDPA
+
+
+def _divergences(expected, got):
+    """(prompt, step, the reference's top-1 minus its logprob of the token the
+    kernels chose) at each trajectory's first differing token."""
+    out = []
+    for p, ((ids_want, lp_want), (ids_got, _)) in enumerate(zip(expected, got)):
+        i = next((i for i, (a, b) in enumerate(zip(ids_want, ids_got)) if a != b), None)
+        if i is not None:
+            top = dict(lp_want[i][1])
+            out.append((p, i, round(top[ids_want[i]] - top.get(ids_got[i], float("-inf")), 4)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_fused_under_graphs_gives_the_reference_greedy_tokens(config, dtype):
     """The kernels (decode in place, replayed as CUDA graphs) against the
-    paged torch path: the same greedy tokens; logprobs within bf16 rounding."""
-    model, tokenizer = loaded
-    _, expected = _run(model, tokenizer, paged_kv=True, block_size=16, attention_backend="torch")
+    paged torch path. float32: the same greedy tokens and logprobs within
+    1e-3. bf16: the two paths round attention differently (the kernel's
+    softmax and products against SDPA's), and random weights have
+    near-flat logits; a trajectory may part only at a near-tie, where the
+    reference itself ranks the kernels' token within NEAR_TIE of its own."""
+    model, tokenizer = load_random(str(CONFIGS / config), "cuda", dtype)
+    _, expected = _run(model, tokenizer, paged_kv=True, block_size=16, attention_backend="torch", logprobs=5)
     for block_size in (16, 256):
-        llm, got = _run(model, tokenizer, paged_kv=True, block_size=block_size, attention_backend="triton")
+        llm, got = _run(model, tokenizer, paged_kv=True, block_size=block_size, attention_backend="triton",
+                        logprobs=5)
         assert llm.engine.kernels and llm.engine.graphs is not None and llm.stats.preemptions == 0
-        for (ids_want, lp_want), (ids_got, lp_got) in zip(expected, got):
-            assert ids_got == ids_want, block_size
-            assert max(abs(a[0] - b[0]) for a, b in zip(lp_want, lp_got)) < 0.1
+        parted = _divergences(expected, got)
+        print(f"{config} {dtype} block {block_size}: divergences (prompt, step, margin) {parted}")
+        if dtype == torch.float32:
+            assert not parted
+            for (_, lp_want), (_, lp_got) in zip(expected, got):
+                assert max(abs(a[0] - b[0]) for a, b in zip(lp_want, lp_got)) < 1e-3
+        else:
+            assert all(margin < NEAR_TIE for _, _, margin in parted), parted
 
 
 def test_paged_requests_leave_no_memory_behind(loaded):
