@@ -39,7 +39,7 @@ try:
 except ImportError:  # CPU installs: the reference path serves
     triton = None
 
-SPLIT = 256  # keys per decode split: fixed, so a row's result ignores its neighbours
+SPLIT = 128  # keys per decode split: fixed, so a row's result ignores its neighbours
 PROGRAMS = 16  # programs per (row, KV head); program z takes splits z, z + 16, ...
 BLOCK_N = 64  # keys per tile inside a split
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows

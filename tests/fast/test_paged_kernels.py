@@ -81,7 +81,7 @@ def test_decode_row_ignores_neighbours_and_table_width():
     padded = pa.paged_decode(q, k_pool, v_pool, wide, seq_lens, 0.125)
     alone = pa.paged_decode(q[2:], k_pool, v_pool, tables[2:, :21], seq_lens[2:], 0.125)
     ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)
-    assert rel_err(together, ref) < 1e-5  # 17 splits: programs take two each
+    assert rel_err(together, ref) < 1e-5  # 33 splits: programs take two or three each
     assert torch.equal(together, padded)
     assert torch.equal(together[2:], alone)
 
