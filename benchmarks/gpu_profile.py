@@ -1,8 +1,14 @@
-"""Where a batch-1 decode step's time goes on the GPU (issue 9): the CUDA
-graph's replay alone (device events) against the whole engine step, and the
-host parts of a step (perf_counter around each), on random weights.
+"""Where the GPU fast path's time goes (issue 9), on random weights.
 
-Usage (repository root, GPU machine): PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]
+batch 1: the CUDA graph's replay alone (device events) against the whole
+engine step, and the host parts of a step (perf_counter around each).
+workload: nano-vllm's 256 prompts (Qwen3-0.6B shape) through ``LLM.generate``,
+its wall time split into decode steps that replay a graph, steps that run
+eagerly (prompt chunks), and within them the host parts.
+
+Usage (repository root, GPU machine):
+    PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]      # batch 1
+    PYTHONPATH=. python3 benchmarks/gpu_profile.py --workload
 """
 
 from __future__ import annotations
@@ -63,6 +69,55 @@ def profile(config: str) -> None:
         print(f"    {name:40s} {statistics.median(xs[-100:]) * 1e3:.3f} ms")
 
 
+def workload() -> None:
+    from pagedlm.bench.throughput import make_workload
+    from pagedlm.llm import LLM
+
+    model, tok = load_random(str(ROOT / "configs" / "qwen3-0.6b"), "cuda", torch.bfloat16)
+    work = make_workload(256, 100, 1024, 0, model.args.vocab_size)
+    llm = LLM(model, tokenizer=tok, paged_kv=True, block_size=16, attention_backend="triton",
+              gpu_memory_fraction=0.5)
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm-up
+    parts: dict[str, list[float]] = {}
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, parts, "schedule")
+    engine_mod.prepare_step = timed(engine_mod.prepare_step, parts, "prepare_step")
+    engine_mod.sample = timed(engine_mod.sample, parts, "sample (waits for the GPU)")
+    engine._append = timed(engine._append, parts, "append (per row)")
+    can_run = engine.graphs.can_run
+    step = engine.step
+    kinds: dict[str, list[float]] = {"graph": [], "eager": []}
+
+    def traced_step():
+        t0 = time.perf_counter()
+        out = step()
+        kinds["graph" if last[0] else "eager"].append(time.perf_counter() - t0)
+        return out
+
+    last = [False]
+
+    def traced_can_run(s):
+        last[0] = can_run(s)
+        return last[0]
+
+    engine.graphs.can_run = traced_can_run
+    engine.step = traced_step
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"workload: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+    for k, xs in kinds.items():
+        print(f"    {k:10s} steps {len(xs):5d}  total {sum(xs):7.3f} s  median {statistics.median(xs) * 1e3:.3f} ms")
+    for name, xs in parts.items():
+        print(f"    {name:40s} total {sum(xs):7.3f} s over {len(xs)} calls")
+
+
 if __name__ == "__main__":
-    for cfg in sys.argv[1:] or ["qwen3-0.6b", "llama-3.1-8b"]:
-        profile(cfg)
+    if "--workload" in sys.argv:
+        workload()
+    else:
+        for cfg in sys.argv[1:] or ["qwen3-0.6b", "llama-3.1-8b"]:
+            profile(cfg)
