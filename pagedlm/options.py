@@ -16,6 +16,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from pagedlm.cache.kv_quant import KV_QUANT_MODES
 from pagedlm.kernels.quant import MODES
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -30,6 +31,7 @@ PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
 QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
 QUANTIZATIONS = MODES  # none, int8, int4
 DEFAULT_QUANTIZATION = "none"
+KV_QUANT_ENV = "PAGEDLM_KV_QUANT"
 
 
 class OptionError(ValueError):
@@ -184,6 +186,13 @@ def check_quantization(mode: object, name: str = "--quantization") -> str:
     return mode
 
 
+def check_kv_quant(mode: object, name: str = "--kv-quant") -> str:
+    mode = mode.strip().lower() if isinstance(mode, str) else mode
+    if mode not in KV_QUANT_MODES:
+        raise OptionError(f"{name} must be {', '.join(KV_QUANT_MODES)} (got {mode!r})")
+    return mode
+
+
 def resolve_quantization(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
     """Explicit --quantization > explicit PAGEDLM_QUANTIZATION > default ("none")."""
     if flag is not None:
@@ -247,6 +256,11 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda s: s.get("device") == "cpu" and s.get("gpu_memory_fraction") is not None,
         "--gpu-memory-fraction sizes the KV budget from CUDA memory; on the CPU give --kv-budget-bytes",
     ),
+    Refusal(
+        "KV quantization without paging",
+        lambda s: s.get("kv_quant", "none") != "none" and not s.get("paged_kv"),
+        "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
+    ),
 )
 
 
@@ -299,6 +313,7 @@ class EngineOptions:
     gpu_memory_fraction: float | None = None  # CUDA: budget = fraction of memory free after weights
     max_model_len: int | None = None  # prompt + max_tokens; default: the model's context
     prompt_cache_bytes: int = 0  # default store: keep finished sequences' KV for prefix reuse
+    kv_quant: str = "none"  # paged store: none, int8 or fp8 blocks (cache/kv_quant.py)
 
 
 # Device defaults: a CPU step is compute-bound well before 512 tokens; a GPU
@@ -330,6 +345,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("gpu_memory_fraction", "PAGEDLM_GPU_MEMORY_FRACTION",
                lambda t: _fraction(t, "--gpu-memory-fraction"),
                "CUDA: KV budget as a fraction of the memory free after loading weights (default 0.9)"),
+    Flag("kv_quant", KV_QUANT_ENV, check_kv_quant,
+         "paged store: keys and values as none, int8 or fp8 (e4m3) blocks with a scale per token and "
+         "KV head (default none)"),
 )
 
 
@@ -351,8 +369,8 @@ def resolve_engine_options(
             value = env[row.env]
         if value is not None:
             values[row.name] = row.parse(value)
-    check_refusals({**values, "device": device})
     paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env)
+    check_refusals({**values, "device": device, "paged_kv": paged is not None})
     return EngineOptions(paged_kv=paged, **values, **fixed)
 
 

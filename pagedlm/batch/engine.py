@@ -24,7 +24,7 @@ import torch
 from pagedlm.attention import keep_sdpa_deterministic
 from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.prompt import PromptCache
-from pagedlm.cache.store import KVStore, kv_bytes
+from pagedlm.cache.store import KVStore, kv_bytes, token_bytes
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
 from pagedlm.sampling import logprobs_of, sample
 
@@ -79,7 +79,8 @@ class LLMEngine:
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.device, self.dtype = param.device, param.dtype
         kind = self.device.type
-        check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction})
+        check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction,
+                        "kv_quant": options.kv_quant, "paged_kv": options.paged_kv is not None})
         if kind == "cuda":
             keep_sdpa_deterministic()
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
@@ -91,8 +92,7 @@ class LLMEngine:
             raise OptionError(f"--max-model-len {self.max_model_len} exceeds the model's context "
                               f"length ({context} tokens)")
         self.specs = model.kv_spec()
-        elem = torch.finfo(self.dtype).bits // 8
-        self.bytes_per_token = [2 * s.num_kv_heads * s.head_dim * elem for s in self.specs]
+        self.bytes_per_token = token_bytes(self.specs, self.dtype, options.kv_quant)
         self.kv_budget_bytes = self._budget(options, defaults)
         self.blocks: BlockManager | None = None
         pools = None
@@ -100,7 +100,8 @@ class LLMEngine:
             bs = options.paged_kv.block_size
             paged = [i for i, s in enumerate(self.specs) if s.window is None]
             spec = self.specs[paged[0]] if paged else self.specs[0]
-            per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype)
+            per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype,
+                                                   options.kv_quant)
             num_blocks = self.kv_budget_bytes // per_block if paged else 0
             need = -(-self.max_model_len // bs)
             if paged and num_blocks < need:
@@ -109,7 +110,8 @@ class LLMEngine:
                     f"fewer than one sequence of max_model_len {self.max_model_len} needs ({need}); "
                     f"raise --kv-budget-bytes or lower --max-model-len")
             if paged:
-                pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+                pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device,
+                                   options.kv_quant)
                 self.blocks = BlockManager(num_blocks, bs)
         self.store = KVStore(self.specs, pools)
         self.prompt_cache = (PromptCache(options.prompt_cache_bytes)
