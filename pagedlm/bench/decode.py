@@ -214,10 +214,14 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
             raise opt.OptionError("--against llama.cpp runs on the CPU: add --device cpu")
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     paged = engine_options.paged_kv
-    default = dataclasses.replace(engine_options, paged_kv=None)
+    kv_quant = engine_options.kv_quant
+    unquantized = dataclasses.replace(engine_options, kv_quant="none")
+    default = dataclasses.replace(unquantized, paged_kv=None)
     runners: dict[str, Callable] = {"default": _ours(model, tokenizer, default, args.gen_len)}
     if paged is not None:
-        runners["paged"] = _ours(model, tokenizer, engine_options, args.gen_len)
+        runners["paged"] = _ours(model, tokenizer, unquantized, args.gen_len)
+    if kv_quant != "none":  # 8-bit blocks against the unquantized paged store, same run
+        runners[f"paged-{kv_quant}"] = _ours(model, tokenizer, engine_options, args.gen_len)
     if quantization != "none":
         qmodel = load_for_bench(args, quantization=quantization)[0]
         runners[quantization] = _ours(qmodel, tokenizer, default, args.gen_len)
@@ -251,13 +255,15 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing]) -> 
     rows = []
     against = next((k for k in ("hf", "llama.cpp") if k in med), None)
     tag = {"hf": "hf", "llama.cpp": "llama_cpp"}.get(against)
-    for name in ("default", "paged", "int8", "int4"):
-        if name not in med:
+    for name in med:
+        if name == against:
             continue
+        paged_row = name.startswith("paged")
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
-               "paged_kv": name == "paged",
-               "block_size": paged.block_size if name == "paged" else None,
+               "paged_kv": paged_row,
+               "block_size": paged.block_size if paged_row else None,
+               "kv_quant": name.removeprefix("paged-") if name.startswith("paged-") else "none",
                "quantization": name if name in ("int8", "int4") else "none"}
         if name != "default":
             row["decode_ratio_vs_default"] = round(med[name][1] / med["default"][1], 3)

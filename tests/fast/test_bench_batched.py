@@ -136,6 +136,17 @@ def test_throughput_rows_with_kv_quant(tiny, capsys):
     assert quant["kv_capacity_bytes"] <= 8 * 2**20
 
 
+def test_decode_rows_with_kv_quant(tiny, capsys):
+    argv = ["bench", "decode", "--model", tiny, "--random-weights", "--device", "cpu", "--prompt-len", "40",
+            "--gen-len", "3", "--repeats", "1", "--paged-kv", "--kv-quant", "int8", "--kv-budget-bytes", "8M",
+            "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["name"], r["paged_kv"], r["kv_quant"]) for r in rows] == [
+        ("pagedlm-default", False, "none"), ("pagedlm-paged", True, "none"), ("pagedlm-paged-int8", True, "int8")]
+    assert rows[2]["decode_ratio_vs_default"] > 0 and rows[2]["block_size"] == 16
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "throughput", "--min-len", "9", "--max-len", "3"], "--min-len"),
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
