@@ -145,9 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="one JSON object per store")
 
     pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
-                         "none against --quantization")
+                         "none against --quantization and/or --kv-quant")
     _add_model_args(pp)
     pp.set_defaults(quantization_help="comma list allowed: int8,int4")
+    pp.add_argument("--kv-quant", default=None, metavar="{int8,fp8}[,...]",
+                    help="also score through paged pools of these KV formats, against unquantized pools "
+                         "(comma list allowed: int8,fp8)")
     pp.add_argument("--tokens", default=20480, help="text tokens to score (default 20480)")
     pp.add_argument("--window", default=1024, help="tokens per window, BOS included (default 1024)")
     pp.add_argument("--json", action="store_true", help="one JSON object per quantization mode")

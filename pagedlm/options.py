@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from pagedlm.cache.kv_quant import KV_QUANT_MODES
 from pagedlm.kernels.quant import MODES
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -36,6 +37,7 @@ DEFAULT_QUANTIZATION = "none"
 # and pages sliding-window layers too, so that the decode step can run as a
 # CUDA graph; "auto" is triton on CUDA when triton imports, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_QUANT_ENV = "PAGEDLM_KV_QUANT"
 
 
 class OptionError(ValueError):
@@ -190,6 +192,13 @@ def check_quantization(mode: object, name: str = "--quantization") -> str:
     return mode
 
 
+def check_kv_quant(mode: object, name: str = "--kv-quant") -> str:
+    mode = mode.strip().lower() if isinstance(mode, str) else mode
+    if mode not in KV_QUANT_MODES:
+        raise OptionError(f"{name} must be {', '.join(KV_QUANT_MODES)} (got {mode!r})")
+    return mode
+
+
 def resolve_quantization(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
     """Explicit --quantization > explicit PAGEDLM_QUANTIZATION > default ("none")."""
     if flag is not None:
@@ -269,6 +278,16 @@ REFUSALS: tuple[Refusal, ...] = (
                    and os.environ.get("TRITON_INTERPRET") != "1"),
         "--attention-backend triton needs CUDA (TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)",
     ),
+    Refusal(
+        "KV quantization without paging",
+        lambda s: s.get("kv_quant", "none") != "none" and not s.get("paged_kv"),
+        "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
+    ),
+    Refusal(
+        "KV quantization with the triton kernels",
+        lambda s: s.get("kv_quant", "none") != "none" and s.get("attention_backend") == "triton",
+        "--kv-quant blocks are read by the torch path only so far: use --attention-backend torch (or auto)",
+    ),
 )
 
 
@@ -323,6 +342,7 @@ class EngineOptions:
     prompt_cache_bytes: int = 0  # default store: keep finished sequences' KV for prefix reuse
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     enforce_eager: bool = False  # CUDA: never capture the decode step as a graph
+    kv_quant: str = "none"  # paged store: none, int8 or fp8 blocks (cache/kv_quant.py)
 
 
 # Device defaults: a CPU step is compute-bound well before 512 tokens; a GPU
@@ -370,6 +390,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "paged attention: auto (triton on CUDA), torch (gather + SDPA) or triton (in-place kernels)"),
     Flag("enforce_eager", "PAGEDLM_ENFORCE_EAGER", _switch("PAGEDLM_ENFORCE_EAGER"),
          "CUDA: run the decode step eagerly instead of replaying CUDA graphs", switch=True),
+    Flag("kv_quant", KV_QUANT_ENV, check_kv_quant,
+         "paged store: keys and values as none, int8 or fp8 (e4m3) blocks with a scale per token and "
+         "KV head (default none)"),
 )
 
 

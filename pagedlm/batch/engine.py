@@ -24,7 +24,7 @@ import torch
 from pagedlm.attention import keep_sdpa_deterministic
 from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.prompt import PromptCache
-from pagedlm.cache.store import KVStore, kv_bytes
+from pagedlm.cache.store import KVStore, kv_bytes, token_bytes
 from pagedlm.kernels import paged_attention
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
 from pagedlm.sampling import logprobs_of, sample
@@ -82,12 +82,14 @@ class LLMEngine:
         self.device, self.dtype = param.device, param.dtype
         kind = self.device.type
         check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction,
-                        "attention_backend": options.attention_backend, "paged_kv": options.paged_kv is not None})
+                        "attention_backend": options.attention_backend, "kv_quant": options.kv_quant,
+                        "paged_kv": options.paged_kv is not None})
         if kind == "cuda":
             keep_sdpa_deterministic()
         self.kernels = options.paged_kv is not None and (
             options.attention_backend == "triton"
-            or (options.attention_backend == "auto" and kind == "cuda" and paged_attention.available(self.device)))
+            or (options.attention_backend == "auto" and kind == "cuda" and options.kv_quant == "none"
+                and paged_attention.available(self.device)))
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         self.max_num_seqs = options.max_num_seqs or defaults["max_num_seqs"]
         self.max_num_batched_tokens = options.max_num_batched_tokens or defaults["max_num_batched_tokens"]
@@ -97,8 +99,7 @@ class LLMEngine:
             raise OptionError(f"--max-model-len {self.max_model_len} exceeds the model's context "
                               f"length ({context} tokens)")
         self.specs = model.kv_spec()
-        elem = torch.finfo(self.dtype).bits // 8
-        self.bytes_per_token = [2 * s.num_kv_heads * s.head_dim * elem for s in self.specs]
+        self.bytes_per_token = token_bytes(self.specs, self.dtype, options.kv_quant)
         self.kv_budget_bytes = self._budget(options, defaults)
         self.blocks: BlockManager | None = None
         pools = None
@@ -106,7 +107,8 @@ class LLMEngine:
             bs = options.paged_kv.block_size
             paged = [i for i, s in enumerate(self.specs) if s.window is None or self.kernels]
             spec = self.specs[paged[0]] if paged else self.specs[0]
-            per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype)
+            per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype,
+                                                   options.kv_quant)
             num_blocks = self.kv_budget_bytes // per_block if paged else 0
             need = -(-self.max_model_len // bs)
             if paged and num_blocks < need:
@@ -116,7 +118,7 @@ class LLMEngine:
                     f"raise --kv-budget-bytes or lower --max-model-len")
             if paged:
                 pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype,
-                                   self.device, fused=self.kernels)
+                                   self.device, options.kv_quant, fused=self.kernels)
                 self.blocks = BlockManager(num_blocks, bs)
         self.store = KVStore(self.specs, pools, kernels=self.kernels)
         self.graphs = None

@@ -2,14 +2,19 @@
 
 For what needs every position's logits of one sequence (perplexity, the
 tests against transformers) rather than sampling: the same model call and
-default store as the engine, with no scheduler around them.
+default store as the engine, with no scheduler around them. With
+``kv_quant`` (``"none"`` included) the full-attention layers live in paged
+pools of that format instead, the row owning blocks ``0 .. capacity /
+block_size`` in order: how `bench ppl` scores quantized KV blocks.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.store import KVStore
+from pagedlm.options import DEFAULT_BLOCK_SIZE, OptionError
 
 from .step import StepBatch
 
@@ -17,10 +22,21 @@ SOLO = 0  # the row's id in its own store
 
 
 class Solo:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, kv_quant: str | None = None, capacity: int = 0,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.model = model
-        self.device = next(model.parameters()).device
-        self.store = KVStore(model.kv_spec())
+        param = next(model.parameters())
+        self.device = param.device
+        specs = model.kv_spec()
+        pools, self.table, self.capacity = None, None, None
+        full = [i for i, s in enumerate(specs) if s.window is None]
+        if kv_quant is not None and full:
+            n_blocks = -(-capacity // block_size)  # PagedPools refuses 0: give a capacity
+            pools = PagedPools(full, n_blocks, block_size, specs[full[0]].num_kv_heads, specs[full[0]].head_dim,
+                               param.dtype, self.device, kv_quant)
+            self.table = torch.arange(n_blocks, device=self.device)[None]
+            self.capacity = n_blocks * block_size
+        self.store = KVStore(specs, pools)
         self.store.add_row(SOLO)
         self.offset = 0
 
@@ -30,13 +46,17 @@ class Solo:
         (or hidden states ``[L, d]`` with ``logits=False``)."""
         ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
         n, start = ids.shape[0], self.offset
+        if self.capacity is not None and start + n > self.capacity:
+            raise OptionError(f"Solo's pools hold {self.capacity} tokens; {start + n} were fed")
+        positions = torch.arange(start, start + n, device=self.device)  # also the slots: blocks 0, 1, ...
         step = StepBatch(
             input_ids=ids,
-            positions=torch.arange(start, start + n, device=self.device),
+            positions=positions,
             query_start=torch.tensor([0, n], device=self.device),
             seq_lens=torch.tensor([start + n], device=self.device),
             logits_rows=torch.tensor([n - 1], device=self.device),
-            slot_mapping=None, block_tables=None,
+            slot_mapping=None if self.table is None else positions,
+            block_tables=self.table,
             seq_ids=(SOLO,), query_start_host=(0, n), seq_lens_host=(start + n,),
             sampling_rows=(0,), max_position=start + n - 1,
         )

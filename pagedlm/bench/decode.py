@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .. import options as opt
+from ..cache.kv_quant import KV_QUANT_MODES
 
 FILLER = (
     "The history of the printing press begins in the fifteenth century, when movable type "
@@ -244,10 +245,14 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         if device != "cpu":
             raise opt.OptionError("--against llama.cpp runs on the CPU: add --device cpu")
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
+    kv_quant = engine_options.kv_quant
+    unquantized = dataclasses.replace(engine_options, kv_quant="none")
     runners: dict[str, Callable] = {
-        "default": _ours(model, tokenizer, dataclasses.replace(engine_options, paged_kv=None), args.gen_len)}
-    for name, options in paged_configs(engine_options, device).items():
+        "default": _ours(model, tokenizer, dataclasses.replace(unquantized, paged_kv=None), args.gen_len)}
+    for name, options in paged_configs(unquantized, device).items():
         runners[name] = _ours(model, tokenizer, options, args.gen_len)
+    if kv_quant != "none":  # 8-bit blocks against the unquantized paged store, same run
+        runners[f"paged-{kv_quant}"] = _ours(model, tokenizer, engine_options, args.gen_len)
     if quantization != "none":
         qmodel = load_for_bench(args, quantization=quantization)[0]
         runners[quantization] = _ours(qmodel, tokenizer, dataclasses.replace(engine_options, paged_kv=None),
@@ -277,6 +282,9 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
                         "roofline_ms": step_bytes / bandwidth * 1e3}
         _report(args, spec, device, dtype, n, engine_options.paged_kv, timings, roofline)
     return 0
+
+
+KV_QUANT_ROWS = tuple(f"paged-{m}" for m in KV_QUANT_MODES if m != "none")
 
 
 def paged_configs(engine_options: opt.EngineOptions, device: str) -> dict[str, opt.EngineOptions]:
@@ -310,11 +318,13 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
     for name in med:
         if name == against:
             continue
+        paged_row = name.startswith("paged")
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
                "decode_ms_per_token": round(1e3 / med[name][1], 3),
-               "paged_kv": name.startswith("paged"),
-               "block_size": paged.block_size if name.startswith("paged") else None,
+               "paged_kv": paged_row,
+               "block_size": paged.block_size if paged_row else None,
+               "kv_quant": name.removeprefix("paged-") if name in KV_QUANT_ROWS else "none",
                "quantization": name if name in ("int8", "int4") else "none"}
         if roofline is not None:
             row["roofline_fraction"] = round(roofline["roofline_ms"] * med[name][1] / 1e3, 3)

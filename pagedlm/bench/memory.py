@@ -16,7 +16,10 @@ the same weights. Three rows:
   from the paged run's schedule: at every step, every running row reserved
   at the longest running row's prompt + max_tokens (``KVStats.kv_bytes_padded``);
   its admitted count is the budget over one row at the longest request's
-  prompt + max_tokens.
+  prompt + max_tokens;
+- with ``--kv-quant int8|fp8``, a fourth: ``paged-int8`` (or ``-fp8``), the
+  paged store again with 8-bit blocks under the same budget (the ``paged``
+  row stays unquantized), with ``admitted_vs_paged``.
 
 Figures, as means over the steps of the run: ``kv_bytes_allocated`` (held by
 live sequences), ``kv_bytes_live`` (holding tokens they attend to),
@@ -36,7 +39,7 @@ import random
 import torch
 
 from .. import options as opt
-from ..cache.store import kv_bytes
+from ..cache.store import kv_bytes, token_bytes
 from .throughput import make_llm
 
 
@@ -57,9 +60,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     model, tokenizer, device, dtype, spec = load_for_bench(args)
 
     specs = model.kv_spec()
-    elem = torch.finfo(dtype).bits // 8
-    bytes_per_token = [2 * s.num_kv_heads * s.head_dim * elem for s in specs]
-    token_bytes = sum(bytes_per_token)
+    bytes_per_token = token_bytes(specs, dtype)
     longest = args.long_len + args.max_tokens
     padded_row = kv_bytes(specs, bytes_per_token, [longest])
     budget = engine_options.kv_budget_bytes or 4 * padded_row
@@ -80,9 +81,13 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
                + [[rng.randrange(top) for _ in range(args.short_len)] for _ in range(args.num_short)])
     params = opt.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
+    kv_quant = engine_options.kv_quant
+    runs = {"default": dataclasses.replace(base_options, paged_kv=None, kv_quant="none"),
+            "paged": dataclasses.replace(base_options, paged_kv=paged, kv_quant="none")}
+    if kv_quant != "none":
+        runs[f"paged-{kv_quant}"] = dataclasses.replace(base_options, paged_kv=paged)
     stats = {}
-    for name, options in (("default", dataclasses.replace(base_options, paged_kv=None)),
-                          ("paged", dataclasses.replace(base_options, paged_kv=paged))):
+    for name, options in runs.items():
         llm = make_llm(model, tokenizer, options, max_model_len=longest)
         llm.generate(prompts, params, use_tqdm=False)
         stats[name] = llm.stats
@@ -94,29 +99,35 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
         "model": spec, "random_weights": bool(args.random_weights), "device": device,
         "dtype": str(dtype).removeprefix("torch."), "num_short": args.num_short, "short_len": args.short_len,
         "num_long": args.num_long, "long_len": args.long_len, "max_tokens": args.max_tokens,
-        "kv_budget_bytes": budget, "kv_bytes_per_token": token_bytes, "padded_row_bytes": padded_row,
+        "kv_budget_bytes": budget, "padded_row_bytes": padded_row,
         "max_num_seqs": base_options.max_num_seqs, "max_num_batched_tokens": base_options.max_num_batched_tokens,
         "machine": platform.machine(),
     }
 
-    def per_live_token(allocated: float, live: float) -> float | None:
-        return round(allocated / live * token_bytes, 1) if live else None
+    def per_live_token(allocated: float, live: float, per_token: int) -> float | None:
+        return round(allocated / live * per_token, 1) if live else None
 
     rows = []
-    for name in ("default", "paged"):
+    for name, options in runs.items():
         s = stats[name]
-        rows.append({"name": name, "store": name, **base,
-                     "block_size": paged.block_size if name == "paged" else None,
+        per_token = sum(token_bytes(specs, dtype, options.kv_quant))
+        rows.append({"name": name, "store": "default" if options.paged_kv is None else "paged", **base,
+                     "block_size": paged.block_size if options.paged_kv else None,
+                     "kv_quant": options.kv_quant, "kv_bytes_per_token": per_token,
                      "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
                      "kv_live_fraction": round(s.live_fraction, 4),
-                     "bytes_per_live_token": per_live_token(s.kv_bytes_allocated, s.kv_bytes_live),
+                     "bytes_per_live_token": per_live_token(s.kv_bytes_allocated, s.kv_bytes_live, per_token),
                      "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated,
                      "admitted": s.peak_running, "preemptions": s.preemptions, "steps": s.steps})
+        if options.kv_quant != "none":
+            rows[-1]["admitted_vs_paged"] = round(s.peak_running / stats["paged"].peak_running, 3)
     s = stats["paged"]
+    token_bytes_none = sum(bytes_per_token)
     rows.append({"name": "padded", "store": "padded", **base, "block_size": None,
+                 "kv_quant": "none", "kv_bytes_per_token": token_bytes_none,
                  "kv_bytes_allocated": round(s.kv_bytes_padded), "kv_bytes_live": round(s.kv_bytes_live),
                  "kv_live_fraction": round(s.kv_bytes_live / s.kv_bytes_padded, 4) if s.kv_bytes_padded else 0.0,
-                 "bytes_per_live_token": per_live_token(s.kv_bytes_padded, s.kv_bytes_live),
+                 "bytes_per_live_token": per_live_token(s.kv_bytes_padded, s.kv_bytes_live, token_bytes_none),
                  "peak_kv_bytes_allocated": None,
                  "admitted": min(num_requests, budget // padded_row), "preemptions": 0, "steps": s.steps,
                  "schedule": "the paged run's: every running row at the longest running row's prompt + max_tokens"})
@@ -131,7 +142,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
         block = f" (block {row['block_size']})" if row["block_size"] else ""
         print(f"{row['name'] + block:18s} {row['bytes_per_live_token'] or 0:10.0f} bytes per live token "
               f"(live {100 * row['kv_live_fraction']:5.1f}% of {row['kv_bytes_allocated'] / 2**20:8.1f} MiB, "
-              f"ideal {token_bytes} B)  admitted {row['admitted']:4d} of {num_requests} at "
+              f"ideal {row['kv_bytes_per_token']} B)  admitted {row['admitted']:4d} of {num_requests} at "
               f"{budget / 2**20:.0f} MiB (x{row['admitted_vs_padded']} padded), "
               f"preemptions {row['preemptions']}", flush=True)
     if not args.json:

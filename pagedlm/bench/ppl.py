@@ -7,11 +7,14 @@ wrote them. It is cut into non-overlapping windows of ``--window`` tokens;
 each window starts with BOS (when the model has one) and every text token
 in it is scored, given the tokens before it in its window.
 
-Reuse (the KV-quantization issue): ``perplexity(model, windows, scorer)``
-takes the scorer factory (default `batch.solo.Solo`: ``scorer(model)(ids)``
-gives one fresh sequence's logits ``[L, V]``), so a quantized KV store is
-scored by passing another one; ``window_logits`` is the one place that runs
-the model.
+``perplexity(model, windows, scorer)`` takes the scorer factory (default
+`batch.solo.Solo`: ``scorer(model)(ids)`` gives one fresh sequence's logits
+``[L, V]``); ``window_logits`` is the one place that runs the model. With
+``--kv-quant`` every window goes through paged pools (`Solo` with
+``kv_quant``): ``none`` first, then each asked 8-bit format, so the rows
+differ by the KV format alone. The window is one prefill chunk whose
+queries read their own keys back from the pools: every key a token attends
+to went through the 8-bit round trip, as in the engine's decode.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -88,28 +92,35 @@ def run_ppl_bench(args) -> int:
     # One run scores several modes (one load each): --quantization int8,int4
     flags = (args.quantization or "").split(",") if args.quantization else [None]
     asked = [opt.resolve_quantization(f.strip() if f else None) for f in flags]
+    # ... and several KV formats on each (one load): --kv-quant int8,fp8
+    kv_asked = [opt.check_kv_quant(f) for f in args.kv_quant.split(",")] if args.kv_quant else []
+    kv_modes = ["none", *(m for m in dict.fromkeys(kv_asked) if m != "none")] if kv_asked else [None]
     window = opt.positive_int(args.window, "--window")
     if window < 16:
         raise opt.OptionError(f"--window must be >= 16 (got {window})")
     modes = ["none", *(m for m in dict.fromkeys(asked) if m != "none")]
-    results: list[PplResult] = []
+    results: list[tuple[str, str | None, PplResult]] = []
     windows = None
     for mode in modes:
         model, tokenizer = load(spec, device, dtype, quantization=mode)
         windows = windows or make_windows(tokenizer, opt.positive_int(args.tokens, "--tokens"), window)
-        results.append(perplexity(model, windows, name=mode))
+        for kv in kv_modes:
+            scorer = Solo if kv is None else partial(Solo, kv_quant=kv, capacity=window)
+            results.append((mode, kv, perplexity(model, windows, scorer)))
         del model
         gc.collect()
-    base = results[0]
-    for r in results:
+    base = results[0][2]
+    for mode, kv, r in results:
         row = {"model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
-               "window": window, "windows": len(windows), "quantization": r.name, **asdict(r),
+               "window": window, "windows": len(windows), "quantization": mode,
+               "paged_kv": kv is not None, "kv_quant": kv or "none", **asdict(r),
                "ppl_change_vs_none": round(r.ppl / base.ppl - 1, 5)}
         row.pop("name")
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"{spec} {r.name:5s} ppl {r.ppl:9.4f}  ({row['ppl_change_vs_none']:+.2%} vs none)  "
+            kv_text = f" kv {kv:4s}" if kv is not None else ""
+            print(f"{spec} {mode:5s}{kv_text} ppl {r.ppl:9.4f}  ({row['ppl_change_vs_none']:+.2%} vs none)  "
                   f"{r.scored_tokens} tokens scored in {len(windows)} windows of {window}, {r.seconds:.0f} s",
                   file=sys.stdout, flush=True)
     return 0

@@ -8,8 +8,11 @@ live tokens, their ratio, preemptions).
 
 Every configuration runs in the same process, on the same weights and the
 same prompts: the default store always; the paged store with ``--paged-kv``
-(its row gains ``ratio_vs_default``); transformers' continuous batching with
-``--against hf`` (every row gains ``hf_output_tok_s`` and ``ratio_vs_hf``).
+(its row gains ``ratio_vs_default``); with ``--kv-quant int8|fp8`` the paged
+store a second time with 8-bit blocks (``paged-int8``, gaining
+``ratio_vs_paged``; the ``paged`` row stays unquantized); transformers'
+continuous batching with ``--against hf`` (every row gains
+``hf_output_tok_s`` and ``ratio_vs_hf``).
 With ``--repeats N`` the configurations alternate run by run and the median
 is reported, so that ratios hold on a noisy machine.
 
@@ -36,6 +39,7 @@ from typing import Callable
 import torch
 
 from .. import options as opt
+from ..cache.store import token_bytes
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 
@@ -70,7 +74,7 @@ def make_llm(model, tokenizer, options: opt.EngineOptions, max_model_len: int | 
 
     paged = options.paged_kv
     return LLM(model, tokenizer=tokenizer, paged_kv=paged is not None,
-               block_size=paged.block_size if paged is not None else None,
+               block_size=paged.block_size if paged is not None else None, kv_quant=options.kv_quant,
                max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                kv_budget_bytes=options.kv_budget_bytes, gpu_memory_fraction=options.gpu_memory_fraction,
                max_model_len=max_model_len or options.max_model_len)
@@ -173,7 +177,7 @@ def hf_limits(engine, device: str) -> dict[str, int]:
     if device.startswith("cuda"):
         return {}
     page = 256
-    per_block = page * sum(engine.bytes_per_token)
+    per_block = page * sum(token_bytes(engine.specs, engine.dtype))  # its cache is not quantized
     return {"page_size": page, "num_blocks": max(1, engine.kv_budget_bytes // per_block),
             "max_batch_tokens": engine.max_num_batched_tokens, "max_requests_per_batch": engine.max_num_seqs}
 
@@ -301,9 +305,12 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     if args.stores == "paged" and paged is None:
         raise opt.OptionError("--stores paged needs --paged-kv")
     configs: dict[str, opt.EngineOptions] = {}
+    unquantized = dataclasses.replace(engine_options, kv_quant="none")
     if paged is None or args.stores == "both":
-        configs["default"] = dataclasses.replace(engine_options, paged_kv=None)
-    configs.update(paged_configs(engine_options, device))
+        configs["default"] = dataclasses.replace(unquantized, paged_kv=None)
+    configs.update(paged_configs(unquantized, device))
+    if engine_options.kv_quant != "none":
+        configs[f"paged-{engine_options.kv_quant}"] = engine_options
     runs: dict[str, list[Run]] = {name: [] for name in configs}
     kv_capacity: dict[str, int] = {}
     # One engine at a time: on CUDA the paged pool takes most free memory, and
@@ -338,7 +345,7 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
         interrupted = True
         if args.against == "hf" and not runs.get("hf"):
             runs["hf"] = [Run(0.0, 0, error="interrupted before transformers finished")]
-    _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity,
+    _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity,
             limits if hf_run else None, interrupted)
     return 130 if interrupted else 0
 
@@ -351,7 +358,7 @@ def _median_run(runs: list[Run]) -> Run:
     return ok[(len(ok) - 1) // 2]
 
 
-def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, limits, interrupted=False) -> None:
+def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity, limits, interrupted=False) -> None:
     base = {
         "model": spec, "random_weights": bool(args.random_weights), "device": device,
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": len(work),
@@ -365,15 +372,16 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
     rows = []
     if interrupted:
         base["interrupted"] = True
-    for name in [k for k in runs if k != "hf"]:
+    for name, options in configs.items():
+        store = "default" if options.paged_kv is None else "paged"
         if not runs.get(name):
-            if name in runs:
-                rows.append({"name": f"pagedlm-{name}", **base, "store": name, "error": "interrupted"})
+            rows.append({"name": f"pagedlm-{name}", **base, "store": store, "error": "interrupted"})
             continue
         r = _median_run(runs[name])
         s = r.stats
-        row = {"name": f"pagedlm-{name}", **base, "store": name,
-               "block_size": paged.block_size if name.startswith("paged") else None,
+        row = {"name": f"pagedlm-{name}", **base, "store": store,
+               "block_size": options.paged_kv.block_size if options.paged_kv else None,
+               "kv_quant": options.kv_quant,
                "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
@@ -384,6 +392,9 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
                "peak_running": s.peak_running, "steps": s.steps, "preemptions": s.preemptions}
         if name != "default" and runs.get("default"):
             row["ratio_vs_default"] = round(r.tok_s / _median_run(runs["default"]).tok_s, 3)
+        paged = next((k for k, o in configs.items() if o.paged_kv and o.kv_quant == "none" and runs.get(k)), None)
+        if options.kv_quant != "none" and paged is not None:
+            row["ratio_vs_paged"] = round(r.tok_s / _median_run(runs[paged]).tok_s, 3)
         if hf is not None:
             row["hf_output_tok_s"] = round(hf.tok_s, 2) if hf.error is None else None
             row["hf_elapsed_s"] = round(hf.seconds, 3) if hf.error is None else None
@@ -412,6 +423,8 @@ def _report(args, spec, device, dtype, paged, work, hf_work, runs, kv_capacity, 
                 f"preemptions {row['preemptions']}")
         if "ratio_vs_default" in row:
             line += f" | x{row['ratio_vs_default']} vs default"
+        if "ratio_vs_paged" in row:
+            line += f" | x{row['ratio_vs_paged']} vs paged"
         if "hf_output_tok_s" in row:
             if row["hf_output_tok_s"] is None:
                 line += f" | transformers failed: {row.get('hf_error')}"

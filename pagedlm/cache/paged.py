@@ -20,12 +20,19 @@ On the reference path ``gather`` copies rows' blocks into one contiguous
 every decode row at the longest): the same shapes, strides and (unmasked)
 values as the default store's ``KVCache`` fetches, hence the same attention
 bits.
+
+With ``kv_quant`` (``int8`` or ``fp8``) the pools hold 8-bit codes plus one
+scale per token and KV head (``k_scale``, ``v_scale``: ``[num_blocks,
+block_size, H_kv]``, the same slots): ``write`` quantizes before its copy and
+``gather`` dequantizes what it gathered to ``dtype``. The math and the
+formats are in ``cache.kv_quant``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels.paged_attention import write_kv
 
 
@@ -39,6 +46,7 @@ class PagedPools:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_quant: str = "none",
         fused: bool = False,
     ) -> None:
         if num_blocks < 1:
@@ -46,42 +54,66 @@ class PagedPools:
         self.layers = list(layers)
         self.fused = fused
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.kv_quant = dtype, kv_quant  # dtype: what gather returns
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a batched decode reads the slots past a row's end
         # as padding, which attention masks out; a masked weight is exactly 0,
         # and 0 times a finite value adds nothing, but 0 * NaN (uninitialized
         # memory) would poison the row. Written slots hold finite keys.
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        store = kvq.storage_dtype(kv_quant, dtype)
+        self.k = {i: torch.zeros(shape, dtype=store, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=store, device=device) for i in layers}
+        # Empty unless quantized; zero scales dequantize unwritten slots to 0.
+        quantized = layers if kv_quant != "none" else []
+        self.k_scale = {i: torch.zeros(shape[:-1], dtype=kvq.SCALE_DTYPE, device=device) for i in quantized}
+        self.v_scale = {i: torch.zeros(shape[:-1], dtype=kvq.SCALE_DTYPE, device=device) for i in quantized}
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * n_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+                        dtype: torch.dtype, kv_quant: str = "none") -> int:
+        """Keys and values of ``n_layers`` layers, scales included."""
+        return 2 * n_layers * block_size * num_kv_heads * kvq.head_bytes(head_dim, dtype, kv_quant)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k.values()) + sum(t.nbytes for t in self.v.values())
+        return sum(t.nbytes for d in (self.k, self.v, self.k_scale, self.v_scale) for t in d.values())
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store ``[T, H_kv, D]`` keys/values at ``slot_mapping`` ``[T]``: one indexed copy each."""
-        k, v = self.k[layer], self.v[layer]
+        """Store ``[T, H_kv, D]`` keys/values at ``slot_mapping`` ``[T]``: one
+        launch for both when ``fused``, else one indexed copy each (quantized
+        first, and their scales copied beside them, with ``kv_quant``)."""
         if self.fused:
-            write_kv(keys, values, k, v, slot_mapping)
+            write_kv(keys, values, self.k[layer], self.v[layer], slot_mapping)
             return
-        k.view(-1, *k.shape[2:]).index_copy_(0, slot_mapping, keys)
-        v.view(-1, *v.shape[2:]).index_copy_(0, slot_mapping, values)
+        self._put(self.k[layer], self.k_scale.get(layer), keys, slot_mapping)
+        self._put(self.v[layer], self.v_scale.get(layer), values, slot_mapping)
+
+    def _put(self, pool: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
+        if scales is None:
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x)
+            return
+        q, s = kvq.quantize(x, self.kv_quant)
+        kvq.as_bytes(pool).view(-1, *pool.shape[2:]).index_copy_(0, slots, kvq.as_bytes(q))
+        scales.view(-1, scales.shape[-1]).index_copy_(0, slots, s)
 
     def gather(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows' keys/values, ``[rows, length, H_kv, D]``, contiguous: each row's
         blocks (``block_tables`` ``[rows, W]``) in order, cut at ``length``
         (one row's own length, or the longest row's). Past a row's own end the
         values are stale or zero (finite: see __init__), for the caller's mask
-        to hide; padded table entries (-1) read block 0."""
-        rows = block_tables.shape[0]
+        to hide; padded table entries (-1) read block 0. Quantized pools
+        return them dequantized to ``dtype``, row by row of ``D``."""
         n_blocks = -(-length // self.block_size)
         table = block_tables[:, :n_blocks].clamp(min=0).reshape(-1)
-        k, v = self.k[layer], self.v[layer]
-        keys = k.index_select(0, table).view(rows, -1, *k.shape[2:])[:, :length].contiguous()
-        values = v.index_select(0, table).view(rows, -1, *v.shape[2:])[:, :length].contiguous()
+        rows = block_tables.shape[0]
+        keys = self._take(self.k[layer], self.k_scale.get(layer), table, rows, length)
+        values = self._take(self.v[layer], self.v_scale.get(layer), table, rows, length)
         return keys, values
+
+    def _take(self, pool: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor, rows: int,
+              length: int) -> torch.Tensor:
+        if scales is None:
+            return pool.index_select(0, table).view(rows, -1, *pool.shape[2:])[:, :length].contiguous()
+        q = kvq.as_bytes(pool).index_select(0, table).view(pool.dtype).view(rows, -1, *pool.shape[2:])
+        s = scales.index_select(0, table).view(rows, -1, scales.shape[-1])
+        return kvq.dequantize(q[:, :length], s[:, :length], self.dtype)

@@ -40,6 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 from pagedlm.attention import attend_row, attend_rows
 from pagedlm.cache.base import Cache
 from pagedlm.cache.kv import KVCache, RotatingKVCache, causal_mask
+from pagedlm.cache.kv_quant import head_bytes
 from pagedlm.kernels.paged_attention import paged_decode
 
 if TYPE_CHECKING:
@@ -54,6 +55,12 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     window: int | None = None
+
+
+def token_bytes(specs: list[KVSpec], dtype: torch.dtype, kv_quant: str = "none") -> list[int]:
+    """One token's KV bytes per layer. ``kv_quant`` applies to the full-attention
+    layers (the paged pools'): sliding layers keep per-row caches of ``dtype``."""
+    return [2 * s.num_kv_heads * head_bytes(s.head_dim, dtype, "none" if s.window else kv_quant) for s in specs]
 
 
 def kv_bytes(specs: list[KVSpec], bytes_per_token: list[int], lengths: list[int]) -> int:

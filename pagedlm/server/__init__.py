@@ -39,6 +39,7 @@ def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[st
         f"dtype = {str(dtype).removeprefix('torch.')}",
         f"quantization = {options.quantization}",
         f"paged_kv = {paged}",
+        f"kv_quant = {options.engine.kv_quant}",
         f"prompt_cache_bytes = {options.prompt_cache_bytes}"
         + (" (off)" if llm.prompt_cache is None else ""),
         f"max_queue = {options.max_queue}",

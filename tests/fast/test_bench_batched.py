@@ -101,12 +101,60 @@ def test_memory_json_rows(tiny, capsys):
     assert paged["peak_kv_bytes_allocated"] <= budget
 
 
+def test_memory_rows_with_kv_quant_admit_more_at_the_same_budget(tiny, capsys):
+    """A budget that binds (short requests only, room for a few unquantized):
+    int8 blocks hold 16 + 2 bytes per KV head and token against float32's 64,
+    so the pool admits more than 1.9x the sequences, and what each live
+    token costs counts the scales."""
+    argv = ["bench", "memory", "--model", tiny, "--random-weights", "--device", "cpu",
+            "--long-len", "60", "--short-len", "60", "--num-long", "1", "--num-short", "40",
+            "--max-tokens", "4", "--paged-kv", "--paged-kv-block-size", "16", "--kv-quant", "int8",
+            "--kv-budget-bytes", str(8 * 2 * 2 * 2 * 16 * 4 * 64), "--json"]  # 8 rows of 64 tokens, float32
+    assert main(argv) == 0
+    rows = {r["name"]: r for r in _rows(capsys)}
+    assert rows.keys() == {"default", "paged", "paged-int8", "padded"}
+    paged, quant = rows["paged"], rows["paged-int8"]
+    assert quant["kv_quant"] == "int8" and paged["kv_quant"] == "none" and quant["store"] == "paged"
+    assert quant["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 2)  # layers x (K, V) x KV heads x (codes + scale)
+    assert paged["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert quant["kv_bytes_per_token"] <= quant["bytes_per_live_token"] < paged["bytes_per_live_token"] / 3
+    assert paged["admitted"] == 8  # 32 blocks; a request of 64 tokens takes 4
+    assert quant["admitted"] >= 1.9 * paged["admitted"] and quant["admitted_vs_paged"] >= 1.9
+    assert quant["peak_kv_bytes_allocated"] <= quant["kv_budget_bytes"]
+
+
+def test_throughput_rows_with_kv_quant(tiny, capsys):
+    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu",
+            "--num-prompts", "4", "--min-len", "4", "--max-len", "12", "--paged-kv", "--kv-quant", "fp8",
+            "--stores", "paged", "--kv-budget-bytes", "8M", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["name"], r["kv_quant"]) for r in rows] == [("pagedlm-paged", "none"), ("pagedlm-paged-fp8", "fp8")]
+    quant = rows[1]
+    assert quant["output_tokens"] == quant["requested_output_tokens"] and quant["ratio_vs_paged"] > 0
+    assert quant["kv_bytes_allocated"] < rows[0]["kv_bytes_allocated"] / 3
+    assert quant["kv_capacity_bytes"] <= 8 * 2**20
+
+
+def test_decode_rows_with_kv_quant(tiny, capsys):
+    argv = ["bench", "decode", "--model", tiny, "--random-weights", "--device", "cpu", "--prompt-len", "40",
+            "--gen-len", "3", "--repeats", "1", "--paged-kv", "--kv-quant", "int8", "--kv-budget-bytes", "8M",
+            "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["name"], r["paged_kv"], r["kv_quant"]) for r in rows] == [
+        ("pagedlm-default", False, "none"), ("pagedlm-paged", True, "none"), ("pagedlm-paged-int8", True, "int8")]
+    assert rows[2]["decode_ratio_vs_default"] > 0 and rows[2]["block_size"] == 16
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "throughput", "--min-len", "9", "--max-len", "3"], "--min-len"),
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
     (["bench", "throughput", "--hf-num-prompts", "4"], "--against hf"),
     (["bench", "memory", "--short-len", "900", "--long-len", "100"], "--short-len"),
     (["bench", "memory", "--num-long", "-1"], "--num-long"),
+    (["bench", "memory", "--kv-quant", "int8"], "needs --paged-kv"),
+    (["bench", "ppl", "--kv-quant", "int4"], "--kv-quant must be none, int8, fp8"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert main(argv + ["--device", "cpu"]) == 2

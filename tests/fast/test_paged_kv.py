@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pagedlm.batch.block_manager import BlockManager
 from pagedlm.batch.step import prepare_step
 from pagedlm.cache import KVSpec, KVStore, PagedPools
+from pagedlm.cache import kv_quant as kvq
 
 HKV, HQ, D = 2, 4, 8  # GQA: two query heads per kv head
 CPU = torch.device("cpu")
@@ -42,25 +43,39 @@ class FakeSeq:
 UNWRITTEN = 7.0
 
 
-def pools(layers, num_blocks, block_size, dtype=torch.float32) -> PagedPools:
-    p = PagedPools(layers, num_blocks, block_size, HKV, D, dtype, CPU)
-    for t in list(p.k.values()) + list(p.v.values()):
+def pools(layers, num_blocks, block_size, dtype=torch.float32, kv_quant="none") -> PagedPools:
+    p = PagedPools(layers, num_blocks, block_size, HKV, D, dtype, CPU, kv_quant)
+    for t in [*p.k.values(), *p.v.values(), *p.k_scale.values(), *p.v_scale.values()]:
         # A gather that reads an unwritten slot as a key shows up in every
         # comparison; finite, because decode reads them as masked padding.
-        t.fill_(UNWRITTEN)
+        if t.dtype == torch.float8_e4m3fn:
+            kvq.as_bytes(t).fill_(0x48)  # e4m3 code of 3.0
+        else:
+            t.fill_(UNWRITTEN)
     return p
+
+
+def stored(x: torch.Tensor, kv_quant: str) -> torch.Tensor:
+    """What a pool of ``kv_quant`` gives back for ``x``: ``x``, or its 8-bit round trip."""
+    return x if kv_quant == "none" else kvq.dequantize(*kvq.quantize(x, kv_quant), x.dtype)
+
+
+KV_QUANT = ["none", "int8", "fp8"]
 
 
 # -- PagedPools ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kv_quant", KV_QUANT)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_pools_write_then_gather_returns_each_rows_keys_in_order(block_size):
+def test_pools_write_then_gather_returns_each_rows_keys_in_order(block_size, kv_quant):
+    """Ragged rows written in interleaved chunks through hand-built tables:
+    each row's keys come back in order (8-bit pools: exactly their round trip)."""
     gen = torch.Generator().manual_seed(block_size)
     lengths = [1, 7, 16, 33, 5]
     per_row = [-(-n // block_size) for n in lengths]
     total = sum(per_row)
-    p = pools([0, 3], total + 2, block_size)  # two blocks never used
+    p = pools([0, 3], total + 2, block_size, kv_quant=kv_quant)  # two blocks never used
     # Hand-built, non-contiguous tables: blocks handed out from the top down,
     # round-robin across rows, so neighbouring blocks belong to different rows.
     free = list(range(total + 2))[::-1]
@@ -108,7 +123,14 @@ def test_pools_write_then_gather_returns_each_rows_keys_in_order(block_size):
             want_k, want_v = written[layer][r]
             got_k, got_v = (t[0] for t in p.gather(layer, padded[r : r + 1], want_k.shape[0]))
             assert got_k.shape == (want_k.shape[0], HKV, D) and got_k.is_contiguous()
-            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+            assert got_k.dtype == torch.float32
+            assert torch.equal(got_k, stored(want_k, kv_quant)) and torch.equal(got_v, stored(want_v, kv_quant))
+        # Decode's gather: every row at once, cut at the longest.
+        got_k, _ = p.gather(layer, padded, max(lengths) + 1)
+        for r in range(len(lengths)):
+            want_k = stored(written[layer][r][0], kv_quant)
+            assert torch.equal(got_k[r, : want_k.shape[0]], want_k)
+            assert torch.isfinite(got_k[r, want_k.shape[0] :]).all()
 
 
 def test_pools_layers_are_independent_and_sized_from_the_budget_formula():
@@ -324,10 +346,13 @@ SCHEDULE = [
 ]
 
 
-def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int) -> int:
+def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int, kv_quant: str = "none") -> int:
+    """Run ``schedule`` through the default and the paged store: equal to the
+    bit (``kv_quant`` none), and both equal to brute force over each row's
+    history (8-bit pools: over the round trip of its keys on paged layers)."""
     gen = torch.Generator().manual_seed(seed)
     default = KVStore(SPECS)
-    paged = KVStore(SPECS, pools(PAGED_LAYERS, num_blocks, block_size, dtype))
+    paged = KVStore(SPECS, pools(PAGED_LAYERS, num_blocks, block_size, dtype, kv_quant))
     bm = BlockManager(num_blocks, block_size)
     # A free list in shuffled order, as after many frees: tables are not
     # ascending, so a gather that ignored the table order would show.
@@ -372,13 +397,17 @@ def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int) -
                 paged.write(layer, k, v, step_p)
                 out_d = default.attend(layer, q, step_d, scale=D**-0.5)
                 out_p = paged.attend(layer, q, step_p, scale=D**-0.5)
-                assert out_d.shape == (T, HQ, D) and out_d.dtype == dtype
-                assert torch.equal(out_d, out_p), f"layer {layer}, rows {event[1]}"
+                assert out_d.shape == out_p.shape == (T, HQ, D) and out_p.dtype == dtype
+                if kv_quant == "none" or layer not in PAGED_LAYERS:
+                    assert torch.equal(out_d, out_p), f"layer {layer}, rows {event[1]}"
+                else:
+                    assert not torch.equal(out_d, out_p), "an 8-bit pool changed nothing"
+                mode = kv_quant if layer in PAGED_LAYERS else "none"
                 bounds = step_p.query_start_host
                 for r, (s, n) in enumerate(rows):
                     a, b = bounds[r], bounds[r + 1]
                     hk, hv = s.history.get(layer, (k[:0], v[:0]))
-                    hk, hv = torch.cat([hk, k[a:b]]), torch.cat([hv, v[a:b]])
+                    hk, hv = torch.cat([hk, stored(k[a:b], mode)]), torch.cat([hv, stored(v[a:b], mode)])
                     s.history[layer] = (hk, hv)
                     want = brute_force(q[a:b], hk, hv, s.num_computed, spec.window)
                     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -397,6 +426,17 @@ def test_paged_store_is_bit_identical_to_default_and_matches_brute_force(block_s
     # Room for every row at its longest (< 400 tokens together), plus slack.
     num_blocks = -(-400 // block_size) + 4
     assert run_schedule(SCHEDULE, block_size, num_blocks, dtype, seed=block_size) > 0
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_quantized_paged_store_attends_over_exactly_the_round_trip_of_each_rows_keys(block_size, dtype, kv_quant):
+    """The whole schedule (ragged rows, chunked prefill beside decode, a
+    preemption, blocks reused) through 8-bit pools: brute force over each
+    row's dequantized history, within float32 (or bfloat16) rounding."""
+    num_blocks = -(-400 // block_size) + 4
+    assert run_schedule(SCHEDULE, block_size, num_blocks, dtype, seed=block_size, kv_quant=kv_quant) > 0
 
 
 def test_store_windowed_layer_stays_per_row_in_both_stores():
