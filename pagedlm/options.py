@@ -283,11 +283,6 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda s: s.get("kv_quant", "none") != "none" and not s.get("paged_kv"),
         "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
     ),
-    Refusal(
-        "KV quantization with the triton kernels",
-        lambda s: s.get("kv_quant", "none") != "none" and s.get("attention_backend") == "triton",
-        "--kv-quant blocks are read by the torch path only so far: use --attention-backend torch (or auto)",
-    ),
 )
 
 

@@ -88,8 +88,7 @@ class LLMEngine:
             keep_sdpa_deterministic()
         self.kernels = options.paged_kv is not None and (
             options.attention_backend == "triton"
-            or (options.attention_backend == "auto" and kind == "cuda" and options.kv_quant == "none"
-                and paged_attention.available(self.device)))
+            or (options.attention_backend == "auto" and kind == "cuda" and paged_attention.available(self.device)))
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         self.max_num_seqs = options.max_num_seqs or defaults["max_num_seqs"]
         self.max_num_batched_tokens = options.max_num_batched_tokens or defaults["max_num_batched_tokens"]
@@ -99,7 +98,7 @@ class LLMEngine:
             raise OptionError(f"--max-model-len {self.max_model_len} exceeds the model's context "
                               f"length ({context} tokens)")
         self.specs = model.kv_spec()
-        self.bytes_per_token = token_bytes(self.specs, self.dtype, options.kv_quant)
+        self.bytes_per_token = token_bytes(self.specs, self.dtype, options.kv_quant, sliding_pooled=self.kernels)
         self.kv_budget_bytes = self._budget(options, defaults)
         self.blocks: BlockManager | None = None
         pools = None

@@ -83,10 +83,15 @@ class PagedPools:
         launch for both when ``fused``, else one indexed copy each (quantized
         first, and their scales copied beside them, with ``kv_quant``)."""
         if self.fused:
-            write_kv(keys, values, self.k[layer], self.v[layer], slot_mapping)
+            write_kv(keys, values, self.k[layer], self.v[layer], slot_mapping, self.scales(layer),
+                     kvq.QMAX.get(self.kv_quant, 0.0))
             return
         self._put(self.k[layer], self.k_scale.get(layer), keys, slot_mapping)
         self._put(self.v[layer], self.v_scale.get(layer), values, slot_mapping)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's key and value scales, or None when not quantized."""
+        return (self.k_scale[layer], self.v_scale[layer]) if layer in self.k_scale else None
 
     def _put(self, pool: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
         if scales is None:

@@ -57,10 +57,14 @@ class KVSpec:
     window: int | None = None
 
 
-def token_bytes(specs: list[KVSpec], dtype: torch.dtype, kv_quant: str = "none") -> list[int]:
-    """One token's KV bytes per layer. ``kv_quant`` applies to the full-attention
-    layers (the paged pools'): sliding layers keep per-row caches of ``dtype``."""
-    return [2 * s.num_kv_heads * head_bytes(s.head_dim, dtype, "none" if s.window else kv_quant) for s in specs]
+def token_bytes(specs: list[KVSpec], dtype: torch.dtype, kv_quant: str = "none",
+                sliding_pooled: bool = False) -> list[int]:
+    """One token's KV bytes per layer. ``kv_quant`` applies to the layers the
+    paged pools hold: full-attention ones, and sliding ones when
+    ``sliding_pooled`` (the kernels page them); else sliding layers keep
+    per-row caches of ``dtype``."""
+    return [2 * s.num_kv_heads * head_bytes(s.head_dim, dtype, "none" if s.window and not sliding_pooled else kv_quant)
+            for s in specs]
 
 
 def kv_bytes(specs: list[KVSpec], bytes_per_token: list[int], lengths: list[int]) -> int:
@@ -151,13 +155,14 @@ class KVStore:
         chunks gather theirs. A step of decode rows only reads nothing on
         the host (a CUDA graph replays it)."""
         k, v, window = self.pools.k[layer], self.pools.v[layer], self.specs[layer].window
+        scales = self.pools.scales(layer)
         if step.num_tokens == len(step.seq_ids):
-            return paged_decode(q, k, v, step.block_tables, step.seq_lens, scale, window)
+            return paged_decode(q, k, v, step.block_tables, step.seq_lens, scale, window, scales)
         plan = self._plan(step, q.device)
         out = torch.empty_like(q)
         if plan.decode:
             out[plan.decode_tokens] = paged_decode(q[plan.decode_tokens], k, v, plan.decode_tables,
-                                                   plan.decode_seq_lens, scale, window)
+                                                   plan.decode_seq_lens, scale, window, scales)
         bounds = step.query_start_host
         for r in plan.prefill:
             a, b = bounds[r], bounds[r + 1]

@@ -60,24 +60,57 @@ def available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _write_kv_kernel(K, V, KPool, VPool, Slots, stride_k, stride_v, stride_slot,
-                         N: tl.constexpr, BLOCK: tl.constexpr):
+    def _write_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v, stride_slot,
+                         H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, QMAX: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(Slots + t).to(tl.int64)
         if slot >= 0:  # -1: a padded row under a CUDA graph writes nothing
-            offs = tl.arange(0, BLOCK)
-            m = offs < N
-            tl.store(KPool + slot * stride_slot + offs, tl.load(K + t * stride_k + offs, mask=m), mask=m)
-            tl.store(VPool + slot * stride_slot + offs, tl.load(V + t * stride_v + offs, mask=m), mask=m)
+            h = tl.arange(0, H_PAD)
+            offs = h[:, None] * D + tl.arange(0, D)[None, :]
+            hm = h < H
+            _write_rows(K + t * stride_k + offs, KPool + slot * stride_slot + offs, KScale + slot * H + h, hm, QMAX)
+            _write_rows(V + t * stride_v + offs, VPool + slot * stride_slot + offs, VScale + slot * H + h, hm, QMAX)
+
+    @triton.jit
+    def _to_bfloat16(x):
+        """float32 rounded to the nearest bfloat16 (ties to even), as float32.
+        By bits: Triton's interpreter truncates in ``.to(tl.bfloat16)``."""
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _write_rows(src, dst, scale_dst, hm, QMAX: tl.constexpr):
+        """One token's heads ``[H, D]``: copied, or (QMAX > 0) quantized as
+        ``cache.kv_quant.quantize`` does: a bfloat16 scale per head, codes
+        clamped to +-QMAX (int8: rounded half to even; else e4m3)."""
+        m = hm[:, None]
+        x = tl.load(src, mask=m, other=0.0)
+        if QMAX == 0:
+            tl.store(dst, x, mask=m)
+        else:
+            x = x.to(tl.float32)
+            scale = _to_bfloat16(tl.math.div_rn(tl.max(tl.abs(x), 1), QMAX))
+            scale = tl.where(scale > 0, scale, 1.0)
+            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
+            if QMAX == 127.0:
+                r = tl.floor(y + 0.5)
+                tie_to_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
+                codes = tl.where(tie_to_odd, r - 1.0, r)
+            else:
+                codes = y
+            tl.store(dst, codes.to(dst.dtype.element_ty), mask=m)
+            tl.store(scale_dst, scale.to(scale_dst.dtype.element_ty), mask=hm)
 
     @triton.jit
     def _decode_split_kernel(
-        Q, KPool, VPool, Tables, SeqLens, OutPart, LsePart,
+        Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart,
         stride_qb, stride_qh, stride_slot, stride_kh, stride_tb,
-        stride_ob, stride_oh, stride_oz, stride_lb, stride_lh,
+        stride_ob, stride_oh, stride_oz, stride_lb, stride_lh, stride_scale_slot,
         scale, window,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -102,8 +135,12 @@ if triton is not None:
                 toks = n0 + tl.arange(0, BLOCK_N)
                 tmask = toks < end
                 block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
-                offs = (block * BS + toks % BS)[:, None] * stride_slot + kv_base + d[None, :]
+                slots = block * BS + toks % BS
+                offs = slots[:, None] * stride_slot + kv_base + d[None, :]
                 k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0)
+                if QUANT:  # 8-bit codes times their token's scale, in registers
+                    k_scale = tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
+                    k = (k.to(tl.float32) * k_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 qk = tl.where(tmask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -111,6 +148,9 @@ if triton is not None:
                 p = tl.exp(qk - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0)
+                if QUANT:
+                    v_scale = tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
+                    v = (v.to(tl.float32) * v_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
         filled = l_i > 0  # a program whose splits are all past the row's end (or before its window)
@@ -138,16 +178,21 @@ if triton is not None:
 
 
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+             qmax: float = 0.0) -> None:
     """Store ``[T, H_kv, D]`` keys and values at ``slot_mapping`` ``[T]`` (a
-    negative slot is skipped): one launch for both."""
-    T = keys.shape[0]
+    negative slot is skipped): one launch for both. With ``scales`` (the
+    pools' ``[blocks, block_size, H_kv]`` scales) the pools hold 8-bit codes:
+    each token's heads are quantized to +-``qmax`` as ``cache.kv_quant``
+    does, in the same launch."""
+    T, H, D = keys.shape
     if T == 0:
         return
-    n = keys.shape[1] * keys.shape[2]
     keys, values = _rows_flat(keys), _rows_flat(values)
-    _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, slot_mapping, keys.stride(0), values.stride(0),
-                           k_pool.stride(1), N=n, BLOCK=triton.next_power_of_2(n))
+    k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
+    _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, k_scale, v_scale, slot_mapping,
+                           keys.stride(0), values.stride(0), k_pool.stride(1),
+                           H=H, D=D, H_PAD=triton.next_power_of_2(H), QMAX=float(qmax if scales is not None else 0.0))
 
 
 def write_kv_reference(keys, values, k_pool, v_pool, slot_mapping) -> None:
@@ -179,10 +224,13 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row over its paged keys: ``q`` ``[B, H_q,
     D]``, ``block_tables`` ``[B, W]``, ``seq_lens`` ``[B]`` (keys per row, the
-    query's own included). Returns ``[B, H_q, D]``. The launch's shape
+    query's own included). Returns ``[B, H_q, D]``. With ``scales`` the
+    pools hold 8-bit codes, dequantized in registers (code x its token's
+    scale, rounded to ``q``'s dtype). The launch's shape
     depends on ``B`` and the heads only, never on lengths: a CUDA graph
     captured once serves every length."""
     B, Hq, D = q.shape
@@ -193,13 +241,14 @@ def paged_decode(
     out = torch.empty_like(q)
     if B == 0:
         return out
+    k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     _decode_split_kernel[(B, Hkv, PROGRAMS)](
-        q, k_pool, v_pool, block_tables, seq_lens, part, lse,
+        q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), Hkv,
         scale, _window(window),
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT, PROGRAMS=PROGRAMS,
-        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out,

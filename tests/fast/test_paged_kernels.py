@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedlm.kernels import paged_attention as pa
+from tests.conftest import CharTokenizer, tiny_model
 
 pytestmark = pytest.mark.skipif(not pa.available("cpu") and not torch.cuda.is_available(),
                                 reason="triton is not installed")
@@ -108,12 +109,23 @@ def test_engine_with_kernels_matches_the_torch_path(tiny):
     """The whole engine on the kernels (sliding layers paged and bounded in
     the kernel; decode rows in place; prompt chunks beside them) against the
     torch path: the same greedy tokens, logprobs within 1e-4 (float32)."""
+    engines_agree(*tiny[1:], "none")
+
+
+def test_engine_with_kernels_on_int8_blocks_matches_the_torch_path():
+    """8-bit blocks quantized in the kernels' write and read in registers,
+    against the torch path's quantize and gather-dequantize. (Llama only:
+    on Gemma the kernels page, hence quantize, the sliding layers that the
+    torch path keeps in float row caches.)"""
+    engines_agree(tiny_model("llama"), CharTokenizer(), "int8")
+
+
+def engines_agree(model, tok, kv_quant):
     from pagedlm.batch.engine import LLMEngine
     from tests.fast.test_engine import GREEDY, paged, prompts, run_all
 
-    family, model, tok = tiny
     batch = prompts(3, seed=11, lo=2, hi=20)
-    opts = dict(max_num_batched_tokens=16, max_num_seqs=4)
+    opts = dict(max_num_batched_tokens=16, max_num_seqs=4, kv_quant=kv_quant)
     want = run_all(LLMEngine(model, tok, paged(8, attention_backend="torch", **opts)), batch, GREEDY,
                    arrive_every=2)
     engine = LLMEngine(model, tok, paged(8, attention_backend="triton", **opts))
@@ -123,3 +135,48 @@ def test_engine_with_kernels_matches_the_torch_path(tiny):
     for a, b in zip(want, got):
         assert a.output_ids == b.output_ids
         assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+
+
+def quantized_pools(k_pool, v_pool, mode):
+    """8-bit pools and their scales, quantized by the reference
+    (``cache.kv_quant``), and what they dequantize to."""
+    from pagedlm.cache import kv_quant as kvq
+
+    out = []
+    for pool in (k_pool, v_pool):
+        codes, scale = kvq.quantize(pool, mode)
+        out.append((codes, scale, kvq.dequantize(codes, scale, pool.dtype)))
+    return out
+
+
+@pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [(16, [1, 300, 40], 8, 2, 64), (64, [700, 129], 4, 1, 128)])
+def test_decode_reads_int8_blocks_in_registers(block_size, lengths, hq, hkv, d):
+    """The kernel on 8-bit codes and their scales computes attention over
+    exactly the values the reference path dequantizes."""
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, torch.float32, seed=5)
+    (kc, ks, k_deq), (vc, vs, v_deq) = quantized_pools(k_pool, v_pool, "int8")
+    out = pa.paged_decode(q, kc, vc, tables, seq_lens, d**-0.5, scales=(ks, vs))
+    ref = pa.paged_decode_reference(q, k_deq, v_deq, tables, seq_lens, d**-0.5)
+    assert rel_err(out, ref) < 1e-5
+    exact = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, d**-0.5)
+    assert 1e-5 < rel_err(out, exact) < 2e-2  # int8 noise, not nothing and not garbage
+
+
+def test_write_kv_quantizes_as_the_reference_does():
+    from pagedlm.cache import kv_quant as kvq
+
+    g = torch.Generator().manual_seed(9)
+    T, H, D, blocks, bs = 7, 3, 64, 4, 16
+    keys = (torch.randn(T, H, D, generator=g) * torch.logspace(-3, 2, T)[:, None, None]).to(DEVICE)
+    values = torch.randn(T, H, D, generator=g).to(DEVICE)
+    keys[2] = 0.0  # an all-zero token: scale 1, codes 0
+    slots = torch.tensor([3, 17, 40, -1, 0, 63, 20], device=DEVICE)
+    pools = [torch.zeros(blocks, bs, H, D, dtype=torch.int8, device=DEVICE) for _ in range(2)]
+    scales = [torch.zeros(blocks, bs, H, dtype=kvq.SCALE_DTYPE, device=DEVICE) for _ in range(2)]
+    pa.write_kv(keys, values, pools[0], pools[1], slots, (scales[0], scales[1]), kvq.QMAX["int8"])
+    keep = slots >= 0
+    for x, pool, scale in ((keys, pools[0], scales[0]), (values, pools[1], scales[1])):
+        codes, s = kvq.quantize(x[keep], "int8")
+        assert torch.equal(pool.view(-1, H, D)[slots[keep]], codes)
+        assert torch.equal(scale.view(-1, H)[slots[keep]], s)
+    assert pools[0].view(-1, H, D)[40].eq(0).all() and scales[0].view(-1, H)[40].eq(1).all()

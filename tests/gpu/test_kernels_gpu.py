@@ -59,3 +59,33 @@ def test_write_kv_full_size():
     pa.write_kv_reference(keys, values, want_k, want_v, slots)
     pa.write_kv(keys, values, pool_k, pool_v, slots)
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_decode_reads_8bit_blocks_full_size(mode):
+    from pagedlm.cache import kv_quant as kvq
+
+    hq, hkv, d, _ = SHAPES["llama-8b"]
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 513, 8191, 2000], 16, hq, hkv, d, torch.bfloat16)
+    (kc, ks), (vc, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
+    out = pa.paged_decode(q, kc, vc, tables, seq_lens, d**-0.5, scales=(ks, vs))
+    ref = pa.paged_decode_reference(q, kvq.dequantize(kc, ks, torch.bfloat16), kvq.dequantize(vc, vs, torch.bfloat16),
+                                    tables, seq_lens, d**-0.5)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_write_kv_quantizes_as_the_reference_full_size(mode):
+    from pagedlm.cache import kv_quant as kvq
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    keys = (torch.randn(4096, 8, 128, device="cuda", generator=g) * 3).bfloat16()
+    values = torch.randn_like(keys)
+    slots = torch.randperm(1024 * 16, device="cuda", generator=g)[:4096]
+    pools = [torch.zeros(1024, 16, 8, 128, dtype=kvq.STORAGE[mode], device="cuda") for _ in range(2)]
+    scales = [torch.zeros(1024, 16, 8, dtype=kvq.SCALE_DTYPE, device="cuda") for _ in range(2)]
+    pa.write_kv(keys, values, pools[0], pools[1], slots, tuple(scales), kvq.QMAX[mode])
+    for x, pool, scale in ((keys, pools[0], scales[0]), (values, pools[1], scales[1])):
+        codes, s = kvq.quantize(x, mode)
+        assert torch.equal(scale.view(-1, 8)[slots], s)
+        assert torch.equal(kvq.as_bytes(pool).view(-1, 8, 128)[slots], kvq.as_bytes(codes))
