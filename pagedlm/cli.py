@@ -44,6 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"page full-attention KV caches (env {opt.PAGED_KV_ENV}=1|0; default off)")
     p.add_argument("--paged-kv-block-size", default=None, metavar="N",
                    help=f"tokens per KV block (default {opt.DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"paged KV: share the blocks of common prefixes between requests "
+                        f"(env {opt.PREFIX_CACHING_ENV}=1|0; default on with --paged-kv)")
     for row in opt.ENGINE_FLAGS:
         p.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
                        help=f"{row.help} (env {row.env})")
@@ -56,7 +59,7 @@ def _add_random_weights(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args, **fixed) -> opt.EngineOptions:
     flags = {name: getattr(args, name) for name in
-             ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]}
+             list(opt.PAGED_FLAGS) + [row.name for row in opt.ENGINE_FLAGS]}
     return opt.resolve_engine_options(flags, device=opt.resolve_device(args.device), **fixed)
 
 
@@ -215,8 +218,8 @@ def _print_stats(r) -> None:
 def cmd_chat(args) -> int:
     from .batch.engine import LLMEngine
 
-    # The default store keeps the conversation's KV between turns (the prompt
-    # cache); paged turns re-prefill until block-level prefix sharing lands.
+    # Each turn reuses the conversation's KV: the prompt cache on the default
+    # store, cached blocks on the paged store (unless --no-prefix-caching).
     engine_options = _engine_options(args, prompt_cache_bytes=CHAT_PROMPT_CACHE_BYTES)
     options = _sampling_options(args)
     model, tokenizer = _load(args)
@@ -253,7 +256,7 @@ def cmd_serve(args) -> int:
     from .server import run
 
     flags = {row.name: getattr(args, row.name) for row in opt.SERVER_FLAGS}
-    for name in ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]:
+    for name in list(opt.PAGED_FLAGS) + [row.name for row in opt.ENGINE_FLAGS]:
         flags[name] = getattr(args, name)
     options = opt.ServerOptions.resolve(flags)
     return run(options) or 0

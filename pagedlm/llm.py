@@ -61,6 +61,7 @@ class LLM:
         tokenizer=None,
         paged_kv: bool = False,
         block_size: int | None = None,
+        prefix_caching: bool | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         kv_budget_bytes: int | None = None,
@@ -76,7 +77,8 @@ class LLM:
             model, tokenizer = load(model, dev, opt.resolve_dtype(dtype, dev))
         elif tokenizer is None:
             raise opt.OptionError("LLM(model=<module>) needs tokenizer=")
-        flags = {"paged_kv": paged_kv, "paged_kv_block_size": block_size, "max_num_seqs": max_num_seqs,
+        flags = {"paged_kv": paged_kv, "paged_kv_block_size": block_size, "prefix_caching": prefix_caching,
+                 "max_num_seqs": max_num_seqs,
                  "max_num_batched_tokens": max_num_batched_tokens, "kv_budget_bytes": kv_budget_bytes,
                  "gpu_memory_fraction": gpu_memory_fraction}
         options = opt.resolve_engine_options(flags, environ={}, max_model_len=max_model_len)

@@ -15,6 +15,7 @@ through here.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -100,6 +101,9 @@ class LLMEngine:
             bs = options.paged_kv.block_size
             paged = [i for i, s in enumerate(self.specs) if s.window is None]
             spec = self.specs[paged[0]] if paged else self.specs[0]
+            caching = options.paged_kv.prefix_caching and paged
+            if caching:  # the pools keep the sliding layers' keys too: a cached prefix needs them
+                paged = self._pooled_for_caching(spec)
             per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype)
             num_blocks = self.kv_budget_bytes // per_block if paged else 0
             need = -(-self.max_model_len // bs)
@@ -110,7 +114,7 @@ class LLMEngine:
                     f"raise --kv-budget-bytes or lower --max-model-len")
             if paged:
                 pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
-                self.blocks = BlockManager(num_blocks, bs)
+                self.blocks = BlockManager(num_blocks, bs, self._salt() if caching else None)
         self.store = KVStore(self.specs, pools)
         self.prompt_cache = (PromptCache(options.prompt_cache_bytes)
                              if pools is None and options.prompt_cache_bytes > 0 else None)
@@ -118,6 +122,19 @@ class LLMEngine:
                                    self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache)
         self.paged = pools is not None
         self.steps = 0
+
+    def _pooled_for_caching(self, spec) -> list[int]:
+        """Every layer, when the sliding ones store keys shaped like the full ones."""
+        for s in self.specs:
+            if (s.num_kv_heads, s.head_dim) != (spec.num_kv_heads, spec.head_dim):
+                raise OptionError("prefix caching keeps every layer's keys in one pool, and this model's "
+                                  "layers differ in KV heads or head size; use --no-prefix-caching")
+        return list(range(len(self.specs)))
+
+    def _salt(self) -> bytes:
+        """What the keys of a block depend on besides its tokens: the model and the KV dtype."""
+        identity = repr((type(self.model).__qualname__, getattr(self.model, "args", None), str(self.dtype)))
+        return hashlib.blake2b(identity.encode(), digest_size=16).digest()
 
     def _budget(self, options: EngineOptions, defaults: dict) -> int:
         if options.kv_budget_bytes is not None:
@@ -181,6 +198,8 @@ class LLMEngine:
         self.steps += 1
         for seq, n in rows:
             seq.num_computed += n
+            if self.blocks is not None:
+                self.blocks.commit(seq, seq.num_computed)
         outputs = []
         for i, seq in enumerate(sampled):
             logprob = None

@@ -74,3 +74,11 @@ class PagedPools:
         keys = k.index_select(0, table).view(rows, -1, *k.shape[2:])[:, :length].contiguous()
         values = v.index_select(0, table).view(rows, -1, *v.shape[2:])[:, :length].contiguous()
         return keys, values
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i]`` onto ``dst[i]`` in every layer (copy-on-write:
+        a sequence about to write into a block others read gets its own copy)."""
+        s = torch.tensor(src, dtype=torch.long, device=next(iter(self.k.values())).device)
+        d = s.new_tensor(dst)
+        for pool in (*self.k.values(), *self.v.values()):
+            pool.index_copy_(0, d, pool.index_select(0, s))
