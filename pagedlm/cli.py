@@ -146,6 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_random_weights(m)
     m.add_argument("--json", action="store_true", help="one JSON object per store")
 
+    px = bsub.add_parser("prefix", help="prefix caching on the paged store, on and off: requests sharing a "
+                         "system prompt (KV bytes, time to first token, total time), a full prefix hit against "
+                         "a cold request, a multi-turn chat (prefill tokens per turn)")
+    _add_model_args(px)
+    _add_engine_args(px)
+    px.add_argument("--num-requests", type=int, default=32, help="requests sharing the system prompt")
+    px.add_argument("--prefix-len", type=int, default=2000, help="tokens of the shared system prompt")
+    px.add_argument("--question-len", type=int, default=50, help="tokens of each request's own question "
+                    "(and of each chat turn's user message)")
+    px.add_argument("--max-tokens", type=int, default=8, help="tokens each shared request generates")
+    px.add_argument("--repeats", type=int, default=3, help="cold / hit pairs timed alone; medians reported")
+    px.add_argument("--turns", type=int, default=10, help="chat turns")
+    px.add_argument("--chat-system-len", type=int, default=500, help="tokens of the chat's system prompt")
+    px.add_argument("--reply-len", type=int, default=32, help="tokens of each chat reply")
+    px.add_argument("--seed", type=int, default=0, help="seeds the token ids")
+    _add_random_weights(px)
+    px.add_argument("--json", action="store_true", help="one JSON object per row")
+
     pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
                          "none against --quantization")
     _add_model_args(pp)
@@ -271,6 +289,10 @@ def cmd_bench(args) -> int:
         from .bench.memory import run_memory_bench
 
         return run_memory_bench(args, _engine_options(args))
+    if args.bench == "prefix":
+        from .bench.prefix import run_prefix_bench
+
+        return run_prefix_bench(args, _engine_options(args))
     if args.bench == "ppl":
         from .bench.ppl import run_ppl_bench
 
