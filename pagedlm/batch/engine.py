@@ -50,7 +50,7 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last response
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose keys came from the prompt cache
+    cached_tokens: int = 0  # prompt tokens whose keys were reused (prompt cache, or cached blocks)
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     paged_kv: bool = False

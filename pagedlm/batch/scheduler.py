@@ -109,7 +109,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self.blocks is not None:
-                while (copies := self._allocate(seq, n)) is None:
+                while self._allocate(seq, n) is None:
                     preempted = True
                     victim = self.running[-1]
                     self.preempt(victim)
