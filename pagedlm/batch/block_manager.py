@@ -129,7 +129,7 @@ class BlockManager:
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += num_computed
         if self.caching:
-            promised = [h for h in self.hashes(seq)[len(hit):] if h not in self.pending]
+            promised = [h for h in self.hashes(seq)[len(hit):] if h not in self.pending and h not in self.cached]
             self.pending.update(dict.fromkeys(promised, seq.seq_id))
             self._promised[seq.seq_id] = promised
 
