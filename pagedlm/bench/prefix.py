@@ -75,6 +75,23 @@ def _shared(engine, prefix: list[int], questions: list[list[int]], max_tokens: i
             "preemptions": engine.num_preemptions}
 
 
+def _print(row: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+    elif row["name"] == "shared":
+        print(f"shared  caching {'on ' if row['prefix_caching'] else 'off'}: KV pool peak "
+              f"{row['kv_pool_bytes_peak'] / 2**20:8.1f} MiB (all KV {row['kv_bytes_peak'] / 2**20:8.1f} MiB), "
+              f"TTFT mean {row['ttft_mean_s']:.3f} s median {row['ttft_median_s']:.3f} s, "
+              f"total {row['total_s']:.2f} s, prompt tokens computed {row['prompt_tokens_computed']}", flush=True)
+    elif row["name"] == "single":
+        print(f"single: TTFT cold {row['ttft_cold_s']:.4f} s, full prefix hit {row['ttft_hit_s']:.4f} s "
+              f"({100 * row['ttft_hit_vs_cold']:.1f}% of cold)", flush=True)
+    else:
+        print(f"chat caching {'on ' if row['prefix_caching'] else 'off'} turn {row['turn']:2d}: prompt "
+              f"{row['prompt_tokens']:5d} tokens, computed {row['prefill_tokens_computed']:5d}, "
+              f"TTFT {row['ttft_s']:.3f} s", flush=True)
+
+
 def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
     for name in ("num_requests", "prefix_len", "question_len", "max_tokens", "turns", "chat_system_len",
                  "reply_len", "repeats"):
@@ -100,8 +117,6 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
     base = {"model": spec, "random_weights": bool(args.random_weights), "device": device,
             "dtype": str(dtype).removeprefix("torch."), "block_size": paged.block_size, "kv_budget_bytes": budget,
             "machine": platform.machine(), "date": time.strftime("%Y-%m-%d")}
-    rows = []
-
     shared = {}
     for caching in (True, False):
         engine = _engine(model, tokenizer, options, caching)
@@ -113,15 +128,21 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
             shared[caching]["one_copy_pool_bytes"] = one_copy * per_token
         del engine
     on, off = shared[True], shared[False]
-    for caching, row in shared.items():
-        rows.append({"name": "shared", "prefix_caching": caching, **base, "num_requests": args.num_requests,
-                     "prefix_len": args.prefix_len, "question_len": args.question_len,
-                     "max_tokens": args.max_tokens, **row})
+    rows = [{"name": "shared", "prefix_caching": caching, **base, "num_requests": args.num_requests,
+             "prefix_len": args.prefix_len, "question_len": args.question_len, "max_tokens": args.max_tokens, **row}
+            for caching, row in shared.items()]
     rows[0].update({
         "pool_bytes_vs_one_copy": round(on["kv_pool_bytes_peak"] / on["one_copy_pool_bytes"], 3),
         "kv_bytes_peak_ratio_vs_off": round(on["kv_bytes_peak"] / off["kv_bytes_peak"], 3),
         "ttft_mean_ratio_vs_off": round(on["ttft_mean_s"] / off["ttft_mean_s"], 3),
         "total_ratio_vs_off": round(on["total_s"] / off["total_s"], 3)})
+    for row in rows:
+        _print(row, args.json)
+    if not args.json:
+        print(f"(one copy of the prefix plus every request's own tokens: "
+              f"{on['one_copy_pool_bytes'] / 2**20:.1f} MiB of pool; caching on/off: KV peak "
+              f"x{rows[0]['kv_bytes_peak_ratio_vs_off']}, TTFT mean x{rows[0]['ttft_mean_ratio_vs_off']}, "
+              f"total x{rows[0]['total_ratio_vs_off']})", flush=True)
 
     engine = _engine(model, tokenizer, options, True)
     _first_token_s(engine, tokens(16), max_tokens=2)
@@ -132,10 +153,10 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
         seq, seconds = _first_token_s(engine, p + tokens(args.question_len))
         assert seq.num_cached >= args.prefix_len // paged.block_size * paged.block_size, "no full prefix hit"
         hit.append(seconds)
-    rows.append({"name": "single", **base, "prefix_len": args.prefix_len, "question_len": args.question_len,
-                 "repeats": args.repeats, "ttft_cold_s": round(statistics.median(cold), 4),
-                 "ttft_hit_s": round(statistics.median(hit), 4),
-                 "ttft_hit_vs_cold": round(statistics.median(hit) / statistics.median(cold), 3)})
+    _print({"name": "single", **base, "prefix_len": args.prefix_len, "question_len": args.question_len,
+            "repeats": args.repeats, "ttft_cold_s": round(statistics.median(cold), 4),
+            "ttft_hit_s": round(statistics.median(hit), 4),
+            "ttft_hit_vs_cold": round(statistics.median(hit) / statistics.median(cold), 3)}, args.json)
     del engine
 
     system = tokens(args.chat_system_len)
@@ -147,29 +168,9 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
         for turn, user in enumerate(users, 1):
             seq, seconds = _first_token_s(engine, history + user, max_tokens=args.reply_len)
             history = seq.tokens
-            rows.append({"name": "chat", "prefix_caching": caching, **base, "turn": turn,
-                         "prompt_tokens": seq.num_prompt, "prefill_tokens_computed": seq.num_prompt - seq.num_cached,
-                         "ttft_s": round(seconds, 4)})
+            _print({"name": "chat", "prefix_caching": caching, **base, "turn": turn,
+                    "prompt_tokens": seq.num_prompt, "prefill_tokens_computed": seq.num_prompt - seq.num_cached,
+                    "ttft_s": round(seconds, 4)}, args.json)
         del engine
 
-    for row in rows:
-        if args.json:
-            print(json.dumps(row), flush=True)
-        elif row["name"] == "shared":
-            print(f"shared  caching {'on ' if row['prefix_caching'] else 'off'}: KV pool peak "
-                  f"{row['kv_pool_bytes_peak'] / 2**20:8.1f} MiB (all KV {row['kv_bytes_peak'] / 2**20:8.1f} MiB), "
-                  f"TTFT mean {row['ttft_mean_s']:.3f} s median {row['ttft_median_s']:.3f} s, "
-                  f"total {row['total_s']:.2f} s, prompt tokens computed {row['prompt_tokens_computed']}", flush=True)
-        elif row["name"] == "single":
-            print(f"single: TTFT cold {row['ttft_cold_s']:.4f} s, full prefix hit {row['ttft_hit_s']:.4f} s "
-                  f"({100 * row['ttft_hit_vs_cold']:.1f}% of cold)", flush=True)
-        else:
-            print(f"chat caching {'on ' if row['prefix_caching'] else 'off'} turn {row['turn']:2d}: prompt "
-                  f"{row['prompt_tokens']:5d} tokens, computed {row['prefill_tokens_computed']:5d}, "
-                  f"TTFT {row['ttft_s']:.3f} s", flush=True)
-    if not args.json:
-        print(f"(one copy of the prefix plus every request's own tokens: "
-              f"{on['one_copy_pool_bytes'] / 2**20:.1f} MiB of pool; caching on/off: KV peak "
-              f"x{rows[0]['kv_bytes_peak_ratio_vs_off']}, TTFT mean x{rows[0]['ttft_mean_ratio_vs_off']}, "
-              f"total x{rows[0]['total_ratio_vs_off']})", flush=True)
     return 0
