@@ -44,6 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"page full-attention KV caches (env {opt.PAGED_KV_ENV}=1|0; default off)")
     p.add_argument("--paged-kv-block-size", default=None, metavar="N",
                    help=f"tokens per KV block (default {opt.DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"paged KV: share the blocks of common prefixes between requests "
+                        f"(env {opt.PREFIX_CACHING_ENV}=1|0; default on with --paged-kv)")
     for row in opt.ENGINE_FLAGS:
         p.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
                        action=argparse.BooleanOptionalAction if row.switch else "store",
@@ -57,7 +60,7 @@ def _add_random_weights(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args, **fixed) -> opt.EngineOptions:
     flags = {name: getattr(args, name) for name in
-             ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]}
+             list(opt.PAGED_FLAGS) + [row.name for row in opt.ENGINE_FLAGS]}
     return opt.resolve_engine_options(flags, device=opt.resolve_device(args.device), **fixed)
 
 
@@ -144,6 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_random_weights(m)
     m.add_argument("--json", action="store_true", help="one JSON object per store")
 
+    px = bsub.add_parser("prefix", help="prefix caching on the paged store, on and off: requests sharing a "
+                         "system prompt (KV bytes, time to first token, total time), a full prefix hit against "
+                         "a cold request, a multi-turn chat (prefill tokens per turn)")
+    _add_model_args(px)
+    _add_engine_args(px)
+    px.add_argument("--num-requests", type=int, default=32, help="requests sharing the system prompt")
+    px.add_argument("--prefix-len", type=int, default=2000, help="tokens of the shared system prompt")
+    px.add_argument("--question-len", type=int, default=50, help="tokens of each request's own question "
+                    "(and of each chat turn's user message)")
+    px.add_argument("--max-tokens", type=int, default=8, help="tokens each shared request generates")
+    px.add_argument("--repeats", type=int, default=3, help="cold / hit pairs timed alone; medians reported")
+    px.add_argument("--turns", type=int, default=10, help="chat turns")
+    px.add_argument("--chat-system-len", type=int, default=500, help="tokens of the chat's system prompt")
+    px.add_argument("--reply-len", type=int, default=32, help="tokens of each chat reply")
+    px.add_argument("--seed", type=int, default=0, help="seeds the token ids")
+    _add_random_weights(px)
+    px.add_argument("--json", action="store_true", help="one JSON object per row")
+
     pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
                          "none against --quantization and/or --kv-quant")
     _add_model_args(pp)
@@ -219,8 +240,8 @@ def _print_stats(r) -> None:
 def cmd_chat(args) -> int:
     from .batch.engine import LLMEngine
 
-    # The default store keeps the conversation's KV between turns (the prompt
-    # cache); paged turns re-prefill until block-level prefix sharing lands.
+    # Each turn reuses the conversation's KV: the prompt cache on the default
+    # store, cached blocks on the paged store (unless --no-prefix-caching).
     engine_options = _engine_options(args, prompt_cache_bytes=CHAT_PROMPT_CACHE_BYTES)
     options = _sampling_options(args)
     model, tokenizer = _load(args)
@@ -257,7 +278,7 @@ def cmd_serve(args) -> int:
     from .server import run
 
     flags = {row.name: getattr(args, row.name) for row in opt.SERVER_FLAGS}
-    for name in ["paged_kv", "paged_kv_block_size"] + [row.name for row in opt.ENGINE_FLAGS]:
+    for name in list(opt.PAGED_FLAGS) + [row.name for row in opt.ENGINE_FLAGS]:
         flags[name] = getattr(args, name)
     options = opt.ServerOptions.resolve(flags)
     return run(options) or 0
@@ -272,6 +293,10 @@ def cmd_bench(args) -> int:
         from .bench.memory import run_memory_bench
 
         return run_memory_bench(args, _engine_options(args))
+    if args.bench == "prefix":
+        from .bench.prefix import run_prefix_bench
+
+        return run_prefix_bench(args, _engine_options(args))
     if args.bench == "ppl":
         from .bench.ppl import run_ppl_bench
 

@@ -62,6 +62,7 @@ class LLM:
         paged_kv: bool = False,
         block_size: int | None = None,
         kv_quant: str | None = None,
+        prefix_caching: bool | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         kv_budget_bytes: int | None = None,
@@ -80,9 +81,10 @@ class LLM:
         elif tokenizer is None:
             raise opt.OptionError("LLM(model=<module>) needs tokenizer=")
         flags = {"paged_kv": paged_kv, "paged_kv_block_size": block_size, "kv_quant": kv_quant,
-                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                 "kv_budget_bytes": kv_budget_bytes, "gpu_memory_fraction": gpu_memory_fraction,
-                 "attention_backend": attention_backend, "enforce_eager": enforce_eager}
+                 "prefix_caching": prefix_caching, "max_num_seqs": max_num_seqs,
+                 "max_num_batched_tokens": max_num_batched_tokens, "kv_budget_bytes": kv_budget_bytes,
+                 "gpu_memory_fraction": gpu_memory_fraction, "attention_backend": attention_backend,
+                 "enforce_eager": enforce_eager}
         options = opt.resolve_engine_options(flags, environ={}, max_model_len=max_model_len)
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, options)

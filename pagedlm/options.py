@@ -29,6 +29,8 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
 # float32 (inf - inf = NaN probabilities), and sampling that cold is the argmax.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
+PREFIX_CACHING_ENV = "PAGEDLM_PREFIX_CACHING"
+PAGED_FLAGS = ("paged_kv", "paged_kv_block_size", "prefix_caching")  # resolved by resolve_paged_kv
 QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
 QUANTIZATIONS = MODES  # none, int8, int4
 DEFAULT_QUANTIZATION = "none"
@@ -57,6 +59,7 @@ class PagedKvOptions:
     """Turns on the paged KV cache for full-attention layers."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_caching: bool = True  # share the blocks of common prefixes (copy-on-write)
 
 
 @dataclass
@@ -167,15 +170,19 @@ def resolve_paged_kv(
     flag: bool | None,
     block_size: int | str | None,
     environ: Mapping[str, str] | None = None,
+    prefix_caching: bool | None = None,
 ) -> PagedKvOptions | None:
-    """Explicit CLI flag > explicit PAGEDLM_PAGED_KV > default (off)."""
+    """Explicit CLI flag > explicit PAGEDLM_PAGED_KV (PAGEDLM_PREFIX_CACHING)
+    > default (paging off; prefix caching on with paging)."""
     on = flag if flag is not None else env_flag(PAGED_KV_ENV, environ)
+    if prefix_caching is None:
+        prefix_caching = env_flag(PREFIX_CACHING_ENV, environ)
     if block_size is not None:
         block_size = check_block_size(positive_int(block_size, "--paged-kv-block-size"))
-    check_refusals({"paged_kv": bool(on), "paged_kv_block_size": block_size})
+    check_refusals({"paged_kv": bool(on), "paged_kv_block_size": block_size, "prefix_caching": prefix_caching})
     if not on:
         return None
-    return PagedKvOptions(block_size=block_size or DEFAULT_BLOCK_SIZE)
+    return PagedKvOptions(block_size=block_size or DEFAULT_BLOCK_SIZE, prefix_caching=prefix_caching is not False)
 
 
 def check_block_size(block_size: int) -> int:
@@ -251,6 +258,12 @@ REFUSALS: tuple[Refusal, ...] = (
         "block size without paging",
         lambda s: not s.get("paged_kv") and s.get("paged_kv_block_size") is not None,
         "--paged-kv-block-size needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
+    ),
+    Refusal(
+        "prefix caching without paging",
+        lambda s: s.get("prefix_caching") is True and not s.get("paged_kv"),
+        "--prefix-caching shares paged KV blocks: it needs --paged-kv (the default store reuses "
+        "prompts through --prompt-cache-bytes)",
     ),
     Refusal(
         "two KV budgets",
@@ -398,7 +411,7 @@ def resolve_engine_options(
     **fixed: object,
 ) -> EngineOptions:
     """Explicit flag > environment variable > the device default (applied by
-    the engine). ``flags`` also carries ``paged_kv`` / ``paged_kv_block_size``;
+    the engine). ``flags`` also carries the ``PAGED_FLAGS``;
     ``device`` (resolved) lets device refusals fire before a model loads;
     ``fixed`` sets fields that have no flag here (max_model_len, prompt cache)."""
     env = os.environ if environ is None else environ
@@ -409,7 +422,8 @@ def resolve_engine_options(
             value = env[row.env]
         if value is not None:
             values[row.name] = row.parse(value)
-    paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env)
+    paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env,
+                             flags.get("prefix_caching"))
     check_refusals({**values, "device": device, "paged_kv": paged is not None})
     return EngineOptions(paged_kv=paged, **values, **fixed)
 

@@ -15,6 +15,7 @@ through here.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -51,7 +52,7 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last response
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose keys came from the prompt cache
+    cached_tokens: int = 0  # prompt tokens whose keys were reused (prompt cache, or cached blocks)
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
     paged_kv: bool = False
@@ -106,6 +107,9 @@ class LLMEngine:
             bs = options.paged_kv.block_size
             paged = [i for i, s in enumerate(self.specs) if s.window is None or self.kernels]
             spec = self.specs[paged[0]] if paged else self.specs[0]
+            caching = options.paged_kv.prefix_caching and paged
+            if caching and not self.kernels:  # the pools keep the sliding layers' keys too: a cached prefix needs them
+                paged = self._pooled_for_caching(spec)
             per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype,
                                                    options.kv_quant)
             num_blocks = self.kv_budget_bytes // per_block if paged else 0
@@ -118,7 +122,7 @@ class LLMEngine:
             if paged:
                 pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype,
                                    self.device, options.kv_quant, fused=self.kernels)
-                self.blocks = BlockManager(num_blocks, bs)
+                self.blocks = BlockManager(num_blocks, bs, self._salt(options.kv_quant) if caching else None)
         self.store = KVStore(self.specs, pools, kernels=self.kernels)
         self.graphs = None
         if self.kernels and kind == "cuda" and not options.enforce_eager:
@@ -131,6 +135,21 @@ class LLMEngine:
                                    self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache)
         self.paged = pools is not None
         self.steps = 0
+
+    def _pooled_for_caching(self, spec) -> list[int]:
+        """Every layer, when the sliding ones store keys shaped like the full ones."""
+        for s in self.specs:
+            if (s.num_kv_heads, s.head_dim) != (spec.num_kv_heads, spec.head_dim):
+                raise OptionError("prefix caching keeps every layer's keys in one pool, and this model's "
+                                  "layers differ in KV heads or head size; use --no-prefix-caching")
+        return list(range(len(self.specs)))
+
+    def _salt(self, kv_quant: str) -> bytes:
+        """What the keys of a block depend on besides its tokens: the model, the
+        KV dtype and its 8-bit format."""
+        identity = repr((type(self.model).__qualname__, getattr(self.model, "args", None), str(self.dtype),
+                         kv_quant))
+        return hashlib.blake2b(identity.encode(), digest_size=16).digest()
 
     def _budget(self, options: EngineOptions, defaults: dict) -> int:
         if options.kv_budget_bytes is not None:
@@ -198,6 +217,8 @@ class LLMEngine:
         self.steps += 1
         for seq, n in rows:
             seq.num_computed += n
+            if self.blocks is not None:
+                self.blocks.commit(seq, seq.num_computed)
         outputs = []
         for i, seq in enumerate(sampled):
             logprob = None

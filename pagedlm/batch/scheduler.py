@@ -13,6 +13,12 @@ The paged store hands out blocks as tokens arrive; when none is left for a
 running row, the most recently admitted sequence is preempted (its blocks
 freed, itself put back at the front of the queue to be recomputed later)
 until the row fits. A request that could never fit is refused when added.
+
+Prefix caching (paged store): an admitted sequence takes the cached blocks
+that start its tokens and computes only the rest, at least its last token
+(for its logits). Admission counts only the blocks it takes off the free
+list. A waiting sequence whose next block another running sequence is
+computing is passed over until that block is cached.
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self.blocks is not None:
-                while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed + n):
+                while self._allocate(seq, n) is None:
                     preempted = True
                     victim = self.running[-1]
                     self.preempt(victim)
@@ -115,39 +121,67 @@ class Scheduler:
             budget -= n
             i += 1
         # No admissions in a step that had to preempt: room is short already.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._reserve(seq, n):
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[w]
+            hit, busy = self.blocks.lookup(seq) if self.blocks is not None else ([], False)
+            if busy:  # another sequence is computing its next block: take it cached, later
+                w += 1
+                continue
+            start = self._cached_start(seq, hit)
+            hit = hit[: self.blocks.blocks_for(start)] if hit else hit
+            if not self._reserve(seq, hit, start, min(seq.num_tokens - start, budget)):
                 break
-            self.waiting.popleft()
-            self._attach(seq)
+            del self.waiting[w]
+            self._attach(seq, hit, start)
             n = min(seq.num_tokens - seq.num_computed, budget)  # a prompt-cache hit shortens it
             if self.blocks is not None:
-                self.blocks.allocate_slots(seq.seq_id, seq.num_computed + n)
+                self._allocate(seq, n)
+                if seq.num_computed:
+                    self.store.seed_row(seq.seq_id, self.blocks.tables[seq.seq_id], seq.num_computed)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             rows.append((seq, n))
             budget -= n
         return rows
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
+    def _allocate(self, seq: Sequence, n: int) -> list[tuple[int, int]] | None:
+        """Blocks for ``seq``'s next ``n`` tokens; a cached or shared block they
+        land in is copied first. None when the pool is short."""
+        copies = self.blocks.allocate_slots(seq.seq_id, seq.num_computed + n, write_from=seq.num_computed)
+        if copies:
+            self.store.pools.copy_blocks([s for s, _ in copies], [d for _, d in copies])
+        return copies
+
+    def _cached_start(self, seq: Sequence, hit: list[int]) -> int:
+        """How many of ``seq``'s tokens the cached blocks ``hit`` spare: all
+        but the last (whose logits it needs), and none it has yet to score."""
+        limit = seq.num_tokens - 1
+        if seq.prompt_logprobs is not None:
+            limit = min(limit, len(seq.prompt_logprobs))
+        return min(len(hit) * self.blocks.block_size, limit) if hit else 0
+
+    def _reserve(self, seq: Sequence, hit: list[int], start: int, n: int) -> bool:
         if self.blocks is not None:
-            return self.blocks.can_allocate(self.blocks.missing(seq.seq_id, seq.num_computed + n))
+            return self.blocks.can_allocate(self.blocks.admission_cost(hit, start, start + n))
         need = self.projected_bytes(seq.max_len)
         if self.reserved_bytes + need > self.kv_budget_bytes:
             return False
         self.reserved_bytes += need
         return True
 
-    def _attach(self, seq: Sequence) -> None:
-        """Give an admitted sequence its storage: per-row caches (a prompt-cache
-        hit lends ones that already hold a prefix of its tokens)."""
+    def _attach(self, seq: Sequence, hit: list[int], start: int) -> None:
+        """Give an admitted sequence its storage: cached blocks covering its
+        first ``start`` tokens (paged), or per-row caches that a prompt-cache
+        hit lends already holding a prefix of its tokens (default store)."""
         caches = None
-        if self.prompt_cache is not None and seq.prompt_logprobs is None and seq.num_computed == 0:
-            caches, reused = self.prompt_cache.take(seq.tokens)
-            if caches is not None:
-                seq.num_computed = seq.num_cached = reused
+        if self.blocks is not None:
+            self.blocks.admit(seq, hit, start)
+            seq.num_computed = start
+        elif self.prompt_cache is not None and seq.prompt_logprobs is None:
+            caches, seq.num_computed = self.prompt_cache.take(seq.tokens)
+        if not seq.output_ids:  # a first admission (a recompute after preemption is not a cache hit)
+            seq.num_cached = seq.num_computed
         self.store.add_row(seq.seq_id, caches)
 
     def _detach(self, seq: Sequence, keep: bool) -> None:

@@ -75,6 +75,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed = 0
         self.num_cached = 0  # prompt tokens whose keys came from a cache
+        self.block_hashes: list[bytes] = []  # paged store with prefix caching: its full blocks' hash chain
         self.finish_reason: str | None = None
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.detokenizer = detokenizer

@@ -122,3 +122,13 @@ class PagedPools:
         q = kvq.as_bytes(pool).index_select(0, table).view(pool.dtype).view(rows, -1, *pool.shape[2:])
         s = scales.index_select(0, table).view(rows, -1, scales.shape[-1])
         return kvq.dequantize(q[:, :length], s[:, :length], self.dtype)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i]`` onto ``dst[i]`` in every layer, scales too
+        (copy-on-write: a sequence about to write into a block others read
+        gets its own copy)."""
+        s = torch.tensor(src, dtype=torch.long, device=next(iter(self.k.values())).device)
+        d = s.new_tensor(dst)
+        for pools in (self.k, self.v, self.k_scale, self.v_scale):
+            for pool in pools.values():
+                pool.index_copy_(0, d, pool.index_select(0, s))

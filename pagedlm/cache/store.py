@@ -25,6 +25,12 @@ through ``kernels.paged_attention.paged_decode``: a step whose rows all
 decode is then nothing but fixed-shape launches, which is what lets the
 engine replay it as a CUDA graph. Prompt chunks still gather their blocks
 and call SDPA.
+
+With prefix caching on the reference path the pools also hold a copy of the
+sliding layers' keys (``mirrored_layers``): attention still reads the ring
+buffers, but a sequence that starts from cached blocks needs its window of
+keys before them, and ``seed_row`` fills its ring buffers from that copy.
+(Under the kernels those layers are paged already.)
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ class KVStore:
         self.specs = specs
         self.pools = pools
         self.kernels = kernels
-        self.paged_layers = frozenset(pools.layers if pools is not None else ())
+        pooled = pools.layers if pools is not None else ()
+        self.paged_layers = frozenset(i for i in pooled if specs[i].window is None or kernels)
+        self.mirrored_layers = frozenset(pooled) - self.paged_layers
         self._row_layers = [i for i in range(len(specs)) if i not in self.paged_layers]
         self.rows: dict[int, list[Cache | None]] = {}
         self._fetched: dict[int, list] = {}  # layer -> per row (keys, values, mask), write to attend
@@ -106,6 +114,18 @@ class KVStore:
     def add_row(self, seq_id: int, caches: list[Cache | None] | None = None) -> None:
         """Give a sequence its per-row caches (new, or lent holding a prefix)."""
         self.rows[seq_id] = caches if caches is not None else make_row_caches(self.specs, self.paged_layers)
+
+    def seed_row(self, seq_id: int, table: list[int], length: int) -> None:
+        """A sequence whose first ``length`` tokens are cached blocks (``table``):
+        give its sliding layers' ring buffers the keys of the window before
+        them, from the pools' copy."""
+        bs = self.pools.block_size
+        for layer in self.mirrored_layers:
+            keep = min(length, self.specs[layer].window - 1)
+            first = (length - keep) // bs
+            blocks = torch.tensor([table[first : -(-length // bs)]], device=self.pools.k[layer].device)
+            k, v = self.pools.gather(layer, blocks, length - first * bs)
+            self.rows[seq_id][layer].update_and_fetch(k[0, k.shape[1] - keep :], v[0, v.shape[1] - keep :])
 
     def pop_row(self, seq_id: int) -> list[Cache | None]:
         """Take a sequence's per-row caches away (to dispose or keep)."""
@@ -122,6 +142,8 @@ class KVStore:
         if layer in self.paged_layers:
             self.pools.write(layer, keys, values, step.slot_mapping)
             return
+        if layer in self.mirrored_layers:
+            self.pools.write(layer, keys, values, step.slot_mapping)
         fetched = []
         bounds = step.query_start_host
         for r, seq_id in enumerate(step.seq_ids):

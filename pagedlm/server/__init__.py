@@ -30,7 +30,8 @@ def _setup_logging() -> None:
 
 def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[str]:
     """One ``name = value`` line per setting, secrets masked."""
-    paged = (f"on, block size {options.paged_kv.block_size}" if options.paged_kv else "off")
+    paged = (f"on, block size {options.paged_kv.block_size}, prefix caching "
+             f"{'on' if options.paged_kv.prefix_caching else 'off'}" if options.paged_kv else "off")
     return [
         f"model = {options.model}",
         f"host = {options.host}",

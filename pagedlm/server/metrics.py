@@ -2,7 +2,8 @@
 
 Counters and histograms are updated where things happen (the engine loop
 observes token latencies; the request path counts outcomes). Gauges that
-describe state (queue depth, KV bytes, paged blocks, prompt-cache counters)
+describe state (queue depth, KV bytes, paged blocks, prompt-cache and
+prefix-cache counters)
 are read at scrape time from the objects that own that state, so there is
 no second copy to keep in step.
 """
@@ -78,6 +79,25 @@ class _StateCollector(Collector):
                                     value=engine.blocks.num_used)
             yield GaugeMetricFamily("pagedlm_paged_kv_blocks_free", "Free KV blocks in the shared pool",
                                     value=engine.blocks.num_free)
+        if engine.blocks is not None and engine.blocks.caching:
+            yield from _prefix_cache(engine.blocks)
+
+
+def _prefix_cache(blocks) -> Iterable:
+    """Prefix caching on the paged store: how much of the admitted tokens came
+    from cached blocks, and how many blocks are cached and shared."""
+    queried, hit = blocks.queried_tokens, blocks.hit_tokens
+    yield CounterMetricFamily("pagedlm_prefix_cache_queried_tokens",
+                              "Tokens of sequences admitted with prefix caching (recomputes included)", value=queried)
+    yield CounterMetricFamily("pagedlm_prefix_cache_hit_tokens",
+                              "Of those, tokens whose KV came from cached blocks", value=hit)
+    yield GaugeMetricFamily("pagedlm_prefix_cache_hit_rate", "hit_tokens / queried_tokens since start",
+                            value=hit / queried if queried else 0.0)
+    yield GaugeMetricFamily("pagedlm_paged_kv_blocks_cached",
+                            "KV blocks findable by prefix hash (in use or free, until evicted)",
+                            value=_safe(lambda: blocks.num_cached))
+    yield GaugeMetricFamily("pagedlm_paged_kv_blocks_shared", "KV blocks held by more than one sequence",
+                            value=_safe(lambda: blocks.num_shared))
 
 
 def _safe_usage(engine: "LLMEngine") -> tuple[float, float]:

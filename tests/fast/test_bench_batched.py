@@ -160,3 +160,27 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert main(argv + ["--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
+
+
+def test_prefix_json_rows(tiny, capsys):
+    """Sharing holds the prefix once and computes it once; the chat computes
+    only each new turn (whole blocks) with caching, everything without."""
+    argv = ["bench", "prefix", "--model", tiny, "--random-weights", "--device", "cpu", "--num-requests", "4",
+            "--prefix-len", "64", "--question-len", "5", "--max-tokens", "3", "--repeats", "1", "--turns", "3",
+            "--chat-system-len", "20", "--reply-len", "4", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [r["name"] for r in rows] == ["shared", "shared", "single"] + ["chat"] * 6
+    on, off = rows[0], rows[1]
+    assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
+    assert on["prompt_tokens_computed"] == 64 + 4 * 5 and off["prompt_tokens_computed"] == 4 * 69
+    assert on["kv_pool_bytes_peak"] < on["kv_pool_bytes_unshared_peak"]
+    per_token = on["one_copy_pool_bytes"] / (64 + 4 * (5 + 3))
+    # one copy, plus at most one partly filled block for the prefix and for each request
+    assert on["one_copy_pool_bytes"] <= on["kv_pool_bytes_peak"] <= on["one_copy_pool_bytes"] + 5 * 16 * per_token
+    assert off["kv_pool_bytes_peak"] == off["kv_pool_bytes_unshared_peak"] and off["preemptions"] == 0
+    assert on["ttft_mean_s"] > 0 and on["total_s"] > 0 and rows[2]["ttft_hit_s"] > 0
+    chat_on = [r["prefill_tokens_computed"] for r in rows[3:6]]
+    chat_off = [r["prefill_tokens_computed"] for r in rows[6:9]]
+    assert chat_off == [r["prompt_tokens"] for r in rows[6:9]] == [25, 34, 43]
+    assert chat_on[0] == 25 and all(n < 5 + 4 + 16 for n in chat_on[1:])

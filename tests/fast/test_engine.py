@@ -47,6 +47,13 @@ def paged(block_size: int = 4, budget: int = 1 << 22, **kw) -> EngineOptions:
     return EngineOptions(paged_kv=PagedKvOptions(block_size), kv_budget_bytes=budget, **kw)
 
 
+def block_bytes(model, block_size: int) -> int:
+    """Bytes of one block of the pools with prefix caching: every layer (sliding
+    ones keep a copy of their keys there), float32."""
+    spec = model.kv_spec()
+    return 2 * len(spec) * block_size * spec[0].num_kv_heads * spec[0].head_dim * 4
+
+
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
 
 
@@ -100,10 +107,7 @@ def test_preemption_recomputes_and_continues(tiny):
     batch = prompts(6, seed=5, lo=10, hi=20)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     roomy = run_all(LLMEngine(model, tok, paged(4)), batch, params)
-    spec = model.kv_spec()
-    full = sum(1 for s in spec if s.window is None)
-    per_block = 2 * full * 4 * spec[0].num_kv_heads * spec[0].head_dim * 4
-    engine = LLMEngine(model, tok, paged(4, budget=per_block * 24, max_model_len=64))
+    engine = LLMEngine(model, tok, paged(4, budget=block_bytes(model, 4) * 24, max_model_len=64))
     tight = run_all(engine, batch, params, check=lambda e: e.blocks.check({s.seq_id for s in e.scheduler.running}))
     assert engine.num_preemptions > 0
     assert [s.output_ids for s in tight] == [s.output_ids for s in roomy]
@@ -144,9 +148,7 @@ def test_block_invariants_hold_after_every_step(ops, block_size):
     every scheduler step each block is free or owned by exactly one live
     sequence; when all have ended, every block is free and no row is left."""
     model, tok = _MODEL["llama"], CharTokenizer()
-    spec = model.kv_spec()
-    per_block = 2 * len(spec) * block_size * spec[0].num_kv_heads * spec[0].head_dim * 4
-    engine = LLMEngine(model, tok, paged(block_size, budget=per_block * (48 // block_size),
+    engine = LLMEngine(model, tok, paged(block_size, budget=block_bytes(model, block_size) * (48 // block_size),
                                           max_model_len=48, max_num_batched_tokens=16))
     live, rng = [], random.Random(0)
 

@@ -160,7 +160,7 @@ LOGPROB_BOUND = {"int8": 0.03, "fp8": 0.15}
 def greedy_run(model, tok, kv_quant: str, batch: list[list[int]], block_size: int):
     engine = LLMEngine(model, tok, opt.EngineOptions(
         paged_kv=opt.PagedKvOptions(block_size), kv_budget_bytes=1 << 22, kv_quant=kv_quant,
-        max_num_batched_tokens=16, max_num_seqs=4))
+        max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512))
     params = opt.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
     seqs = [s for ids in batch for s in engine.add_request(ids, params)]
     while engine.has_unfinished():

@@ -124,7 +124,8 @@ def engines_agree(model, tok, kv_quant):
     from pagedlm.batch.engine import LLMEngine
     from tests.fast.test_engine import GREEDY, paged, prompts, run_all
 
-    batch = prompts(3, seed=11, lo=2, hi=20)
+    shared = list(range(2, 30))  # three full blocks of 8 that the later prompt finds cached
+    batch = prompts(3, seed=11, lo=2, hi=20) + [shared + [40, 41], shared + [50]]
     opts = dict(max_num_batched_tokens=16, max_num_seqs=4, kv_quant=kv_quant)
     want = run_all(LLMEngine(model, tok, paged(8, attention_backend="torch", **opts)), batch, GREEDY,
                    arrive_every=2)
@@ -132,6 +133,7 @@ def engines_agree(model, tok, kv_quant):
     assert engine.kernels and engine.store.paged_layers == frozenset(range(len(engine.specs)))
     got = run_all(engine, batch, GREEDY, arrive_every=2)
     assert max(len(s.prompt_ids) + len(s.output_ids) for s in got) > 16  # past tiny Gemma's window
+    assert engine.blocks.hit_tokens >= 24  # the shared prefix was read from cached blocks
     for a, b in zip(want, got):
         assert a.output_ids == b.output_ids
         assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4

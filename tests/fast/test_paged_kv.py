@@ -6,7 +6,7 @@ row's whole history."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pytest
@@ -152,12 +152,11 @@ def test_pools_layers_are_independent_and_sized_from_the_budget_formula():
 def test_block_manager_allocates_by_tokens_and_frees_everything():
     bm = BlockManager(8, 4)
     assert (bm.num_free, bm.num_used) == (8, 0)
-    assert bm.missing(1, 5) == 2 and bm.can_allocate(2)
-    assert bm.allocate_slots(1, 5)
+    assert bm.allocate_slots(1, 5) == []
     assert len(bm.tables[1]) == 2 and (bm.num_free, bm.num_used) == (6, 2)
-    assert bm.allocate_slots(1, 8) and len(bm.tables[1]) == 2, "still fits in two blocks"
-    assert bm.missing(1, 9) == 1 and bm.allocate_slots(1, 9) and len(bm.tables[1]) == 3
-    assert bm.allocate_slots(2, 1) and len(bm.tables[2]) == 1
+    assert bm.allocate_slots(1, 8) == [] and len(bm.tables[1]) == 2, "still fits in two blocks"
+    assert bm.allocate_slots(1, 9) == [] and len(bm.tables[1]) == 3
+    assert bm.allocate_slots(2, 1) == [] and len(bm.tables[2]) == 1
     assert not set(bm.tables[1]) & set(bm.tables[2])
     assert bm.num_used == 4 and bm.num_free == 4
     bm.check({1, 2})
@@ -172,19 +171,18 @@ def test_block_manager_allocates_by_tokens_and_frees_everything():
     bm.check(set())
 
 
-def test_allocate_slots_when_short_returns_false_and_takes_nothing():
+def test_allocate_slots_when_short_returns_none_and_takes_nothing():
     bm = BlockManager(5, 4)
-    assert bm.allocate_slots(1, 12)  # 3 blocks
+    assert bm.allocate_slots(1, 12) == []  # 3 blocks
     before = (list(bm.free_blocks), {s: list(t) for s, t in bm.tables.items()})
-    assert bm.missing(1, 21) == 3 and not bm.can_allocate(3)
-    assert not bm.allocate_slots(1, 21)  # needs 3 more, 2 free
-    assert not bm.allocate_slots(2, 9)  # a new sequence needing 3
+    assert not bm.can_allocate(3)
+    assert bm.allocate_slots(1, 21) is None  # needs 3 more, 2 free
+    assert bm.allocate_slots(2, 9) is None  # a new sequence needing 3
     assert (list(bm.free_blocks), dict(bm.tables)) == before
-    assert bm.missing(2, 9) == 3
     bm.check({1, 2})
-    assert bm.allocate_slots(2, 8) and bm.num_free == 0  # exactly the 2 left
-    assert not bm.allocate_slots(2, 9) and len(bm.tables[2]) == 2
-    assert bm.allocate_slots(3, 0) and bm.missing(3, 0) == 0  # nothing needed: succeeds
+    assert bm.allocate_slots(2, 8) == [] and bm.num_free == 0  # exactly the 2 left
+    assert bm.allocate_slots(2, 9) is None and len(bm.tables[2]) == 2
+    assert bm.allocate_slots(3, 0) == []  # nothing needed: succeeds
     bm.check({1, 2, 3})
 
 
@@ -193,26 +191,28 @@ def corrupt(kind: str) -> tuple[BlockManager, set[int]]:
     bm.allocate_slots(1, 4)
     bm.allocate_slots(2, 3)
     bm.check({1, 2})
-    if kind == "shared":  # a block in two tables
+    if kind == "shared":  # a block in two tables, counted once
         bm.tables[2].append(bm.tables[1][0])
     elif kind == "free_and_owned":
-        bm.free_blocks.append(bm.tables[1][0])
+        bm.free_blocks[bm.tables[1][0]] = None
     elif kind == "lost":  # neither free nor owned
-        bm.free_blocks.popleft()
-    elif kind == "free_twice":
-        bm.free_blocks.popleft()
-        bm.free_blocks.append(bm.free_blocks[0])
+        bm.free_blocks.popitem(last=False)
+    elif kind == "twice":
+        bm.tables[1].append(bm.tables[1][0])
     elif kind == "dead_owner":
         return bm, {1}
+    elif kind == "stale_hash":
+        bm.cached[b"x" * 16] = bm.tables[1][0]
     return bm, {1, 2}
 
 
 @pytest.mark.parametrize("kind,message", [
-    ("shared", "in tables of 1 and 2"),
-    ("free_and_owned", "both free and owned"),
-    ("lost", "neither free nor owned"),
-    ("free_twice", "free list twice"),
+    ("shared", "ref 1, in 2 tables"),
+    ("free_and_owned", "free list wrong"),
+    ("lost", "free list wrong"),
+    ("twice", "holds a block twice"),
     ("dead_owner", "not live"),
+    ("stale_hash", "hash map out of step"),
 ])
 def test_check_raises_on_a_corrupted_state(kind, message):
     bm, live = corrupt(kind)
@@ -234,7 +234,7 @@ def test_random_allocations_and_frees_keep_the_accounting(num_blocks, block_size
             target = max(held.get(seq, 0), n)
             need = -(-target // block_size) - len(bm.tables.get(seq, ()))
             free_before = bm.num_free
-            ok = bm.allocate_slots(seq, target)
+            ok = bm.allocate_slots(seq, target) is not None
             assert ok == (need <= free_before)
             if ok:
                 held[seq] = target
@@ -255,8 +255,8 @@ def test_random_allocations_and_frees_keep_the_accounting(num_blocks, block_size
 
 def test_slot_mapping_follows_a_hand_built_table():
     bm = BlockManager(8, 4)
-    bm.free_blocks.remove(5)
-    bm.free_blocks.remove(2)
+    del bm.free_blocks[5], bm.free_blocks[2]
+    bm.ref[5] = bm.ref[2] = 1
     bm.tables[7] = [5, 2]
     bm.check({7})
     seq = FakeSeq(7, list(range(100, 107)))
@@ -274,12 +274,12 @@ def test_mixed_step_rows_bounds_and_sampling():
     b = FakeSeq(1, list(range(30, 36)), num_computed=5)  # decode
     c = FakeSeq(2, list(range(50, 57)), num_computed=3)  # last chunk of its prompt
     bm = BlockManager(16, 2)
-    bm.free_blocks.remove(9)
     bm.tables[0] = [9, 8, 7]
-    bm.free_blocks.remove(8)
-    bm.free_blocks.remove(7)
+    for block in bm.tables[0]:
+        del bm.free_blocks[block]
+        bm.ref[block] = 1
     for s, n in ((b, 6), (c, 7)):
-        assert bm.allocate_slots(s.seq_id, n)
+        assert bm.allocate_slots(s.seq_id, n) == []
     bm.check({0, 1, 2})
     step = prepare_step([(a, 4), (b, 1), (c, 4)], CPU, bm)
     assert step.input_ids.tolist() == [10, 11, 12, 13, 35, 53, 54, 55, 56]
@@ -356,7 +356,7 @@ def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int, k
     bm = BlockManager(num_blocks, block_size)
     # A free list in shuffled order, as after many frees: tables are not
     # ascending, so a gather that ignored the table order would show.
-    bm.free_blocks = deque(torch.randperm(num_blocks, generator=gen).tolist())
+    bm.free_blocks = OrderedDict.fromkeys(torch.randperm(num_blocks, generator=gen).tolist())
     seqs: dict[str, FakeSeq] = {}
     next_id = 0
     rows_checked = 0
@@ -384,7 +384,7 @@ def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int, k
         else:
             rows = [(seqs[name], n) for name, n in event[1]]
             for s, n in rows:
-                assert bm.allocate_slots(s.seq_id, s.num_computed + n)
+                assert bm.allocate_slots(s.seq_id, s.num_computed + n) == []
             bm.check({s.seq_id for s in seqs.values()})
             step_d = prepare_step(rows, CPU)
             step_p = prepare_step(rows, CPU, bm)

@@ -137,6 +137,25 @@ def test_the_paged_server_shares_one_pool_and_frees_it(model, tokenizer):
         assert metric(client, "pagedlm_paged_kv_blocks_in_use") == 0
 
 
+def test_the_paged_server_reports_cached_prompt_tokens_and_the_prefix_hit_rate(model, tokenizer):
+    app, engine = make_app(model, tokenizer, paged_kv=PagedKvOptions(16), kv_budget_bytes=1 << 20)
+    prompt = "the quick brown fox jumps over the lazy dog."
+    n = len(tokenizer.encode(prompt))
+    with TestClient(app) as client:
+        assert metric(client, "pagedlm_prefix_cache_hit_rate") == 0
+        cold = complete(client, prompt=prompt, max_tokens=2)
+        assert cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        warm = complete(client, prompt=prompt, max_tokens=2)
+        cached = min(n // 16 * 16, n - 1)  # whole blocks, never the last token
+        assert warm["usage"]["prompt_tokens_details"] == {"cached_tokens": cached} and cached >= 32
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert metric(client, "pagedlm_prefix_cache_hit_tokens_total") == cached
+        assert metric(client, "pagedlm_prefix_cache_hit_rate") == pytest.approx(cached / (2 * n))
+        assert metric(client, "pagedlm_paged_kv_blocks_cached") >= n // 16
+        assert metric(client, "pagedlm_paged_kv_blocks_shared") == 0  # nothing running now
+        assert metric(client, "pagedlm_paged_kv_blocks_in_use") == 0
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(served, monkeypatch):
     client, engine = served
     monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.weights
 MODELS = ["gemma3-270m", "smollm2-135m-instruct"]
 GEN = 16
 BUDGET = 1 << 30
+MAX_MODEL_LEN = 4096  # the pool must hold one sequence of it; with prefix caching Gemma's pool keeps every layer
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -38,7 +39,8 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _run(model, tokenizer, **kw):
-    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=256, **kw)
+    llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=256,
+              max_model_len=MAX_MODEL_LEN, **kw)
     params = SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=2)
     outs = llm.generate(_prompts(tokenizer), params, use_tqdm=False)
     assert llm.stats.preemptions == 0
@@ -57,7 +59,8 @@ def test_paged_store_equals_default_store_exactly_at_every_block_size(loaded):
 
 def test_only_full_attention_layers_are_paged(loaded):
     name, model, tokenizer = loaded
-    llm = LLM(model, tokenizer=tokenizer, paged_kv=True, block_size=16, kv_budget_bytes=BUDGET)
+    llm = LLM(model, tokenizer=tokenizer, paged_kv=True, block_size=16, kv_budget_bytes=BUDGET,
+              max_model_len=MAX_MODEL_LEN)
     specs = model.kv_spec()
     store = llm.engine.store
     assert store.paged_layers == {i for i, s in enumerate(specs) if s.window is None}
