@@ -214,6 +214,7 @@ class LLMEngine:
                     logits = self.model.compute_logits(hidden[step.logits_rows]).float()
             if sampled:
                 tokens = sample(logits, sampled)
+        self.store.end_step()
         self.steps += 1
         for seq, n in rows:
             seq.num_computed += n

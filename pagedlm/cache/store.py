@@ -219,6 +219,12 @@ class KVStore:
             k, v = self.pools.gather(layer, plan.decode_tables, max(lengths))
         return attend_rows(q, k, v, plan.padding(lengths), scale)
 
+    def end_step(self) -> None:
+        """Drop what one step kept for its layers (its plan, masks and row
+        tables): nothing of a step outlives it."""
+        self._step_plan = None
+        self._fetched.clear()
+
     def _plan(self, step: "StepBatch", device) -> "_StepPlan":
         if self._step_plan is None or self._step_plan.step is not step:
             self._step_plan = _StepPlan(step, device)
