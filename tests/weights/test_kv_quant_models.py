@@ -24,12 +24,13 @@ pytestmark = pytest.mark.weights
 MODELS = ["gemma3-270m", "smollm2-135m-instruct"]
 # The perplexity targets, as the relative change of the mean
 # negative log-likelihood against unquantized pools (measured on this sample:
-# SmolLM2 int8 -0.01%, fp8 -0.11%).
+# SmolLM2 int8 -0.01%, fp8 -0.11%; Gemma 3 int8 -0.04%, fp8 +0.25%).
 NLL_CHANGE = {"int8": 0.005, "fp8": 0.015}
-# Mean |change| of one token's logprob, nats: about three times what was
-# measured (SmolLM2 int8 0.030, fp8 0.072); single tokens move more (p99
-# 0.19 and 0.48), in both directions, which is why the mean NLL barely moves.
-MEAN_TOKEN_CHANGE = {"int8": 0.1, "fp8": 0.25}
+# Mean |change| of one token's logprob, nats: about three times the largest
+# measured (SmolLM2 int8 0.030, fp8 0.072; Gemma 3 int8 0.071, fp8 0.050).
+# Single tokens move more (p99 0.19-0.55), in both directions, which is why
+# the mean NLL barely moves.
+MEAN_TOKEN_CHANGE = {"int8": 0.2, "fp8": 0.2}
 
 
 @pytest.fixture(scope="module", params=MODELS)
