@@ -366,3 +366,28 @@ def test_text_held_back_is_flushed_when_a_stop_id_ends_the_sequence():
     out = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=8, stop_token_ids=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == CharTokenizer().decode(free.output_ids[:first])
+
+
+def test_nothing_of_a_step_outlives_it(tiny, monkeypatch):
+    """After a step returns, no reference to its StepBatch is left (the
+    store's per-step plan held its masks and tables until the next step:
+    memory that grew or shrank with whatever step came last)."""
+    import weakref
+
+    from pagedlm.batch import engine as engine_mod
+
+    family, model, tok = tiny
+    engine = LLMEngine(model, tok, paged(8, max_num_batched_tokens=8))
+    made = []
+
+    def spy(*args, **kw):
+        step = engine_mod.prepare_step.__wrapped__(*args, **kw)
+        made.append(weakref.ref(step))
+        return step
+
+    spy.__wrapped__ = engine_mod.prepare_step
+    monkeypatch.setattr(engine_mod, "prepare_step", spy)
+    engine.add_request(prompts(1, seed=8, lo=20, hi=20)[0], GREEDY)
+    engine.step()  # a prompt chunk: masks and tables built for the layers
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
