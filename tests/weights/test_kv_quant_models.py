@@ -43,7 +43,7 @@ def _prompt_logprobs(model, tokenizer, kv_quant: str) -> list[float]:
     ids = tokenizer.encode(inspect.getsource(argparse))
     prompts = [ids[:700], ids[3000:3300], ids[6000:6200]]  # the first past Gemma's 512-token window
     llm = LLM(model, tokenizer=tokenizer, paged_kv=True, kv_quant=kv_quant, kv_budget_bytes=1 << 30,
-              max_num_batched_tokens=256)
+              max_num_batched_tokens=256, max_model_len=4096)
     outs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
     return [lp for o in outs for lp, _ in o.prompt_logprobs]
 
