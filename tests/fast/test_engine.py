@@ -139,6 +139,24 @@ class _Ops:
     ADD, STEP, ABORT = range(3)
 
 
+def drive(engine: LLMEngine, ops, add, check) -> None:
+    """Hypothesis's operations against ``engine``: (op, add's arguments, a
+    number picking whom to abort); ``check`` after every one, then after
+    every step to the end."""
+    live = []
+    for op, args, pick in ops:
+        if op == _Ops.ADD:
+            live += add(*args)
+        elif op == _Ops.ABORT and live:
+            engine.abort(live.pop(pick % len(live)))
+        else:
+            engine.step()
+        check()
+    while engine.has_unfinished():
+        engine.step()
+        check()
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from([_Ops.ADD, _Ops.STEP, _Ops.STEP, _Ops.ABORT]),
                           st.integers(1, 30), st.integers(1, 12)), min_size=5, max_size=40),
@@ -150,7 +168,7 @@ def test_block_invariants_hold_after_every_step(ops, block_size):
     model, tok = _MODEL["llama"], CharTokenizer()
     engine = LLMEngine(model, tok, paged(block_size, budget=block_bytes(model, block_size) * (48 // block_size),
                                           max_model_len=48, max_num_batched_tokens=16))
-    live, rng = [], random.Random(0)
+    rng = random.Random(0)
 
     def check():
         running = {s.seq_id for s in engine.scheduler.running}
@@ -159,18 +177,11 @@ def test_block_invariants_hold_after_every_step(ops, block_size):
         for s in engine.scheduler.running:  # a running row holds blocks for what it stored
             assert len(engine.blocks.tables.get(s.seq_id, [])) >= engine.blocks.blocks_for(s.num_computed)
 
-    for op, length, max_tokens in ops:
-        if op == _Ops.ADD:
-            live += engine.add_request([rng.randrange(2, 256) for _ in range(length)],
-                                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        elif op == _Ops.ABORT and live:
-            engine.abort(live.pop(length % len(live)))
-        else:
-            engine.step()
-        check()
-    while engine.has_unfinished():
-        engine.step()
-        check()
+    def add(length, max_tokens):
+        return engine.add_request([rng.randrange(2, 256) for _ in range(length)],
+                                  SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    drive(engine, [(op, (length, max_tokens), length) for op, length, max_tokens in ops], add, check)
     assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.store.rows
 
 

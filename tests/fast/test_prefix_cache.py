@@ -21,7 +21,7 @@ from pagedlm.batch.solo import SOLO, Solo
 from pagedlm.cache import PagedPools
 from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams, UnsupportedOption, resolve_engine_options
 from tests.conftest import CharTokenizer, tiny_model
-from tests.fast.test_engine import ATOL, GREEDY, block_bytes, prompts, run_all
+from tests.fast.test_engine import ATOL, GREEDY, _Ops, block_bytes, drive, prompts, run_all
 
 SALT = b"s" * 16
 
@@ -296,10 +296,6 @@ def test_copy_blocks_copies_every_layer():
 # -- the invariant after every step --------------------------------------------
 
 
-class _Ops:
-    ADD, STEP, ABORT = range(3)
-
-
 _LLAMA = tiny_model("llama")
 _PREFIXES = prompts(3, seed=28, lo=6, hi=20)
 
@@ -326,7 +322,7 @@ def test_shared_block_invariants_hold_after_every_step(ops, block_size):
     engine = LLMEngine(_LLAMA, tok, caching(block_size, budget=block_bytes(_LLAMA, block_size) * (48 // block_size),
                                             max_model_len=48, max_num_batched_tokens=16))
     blocks, pools = engine.blocks, engine.store.pools
-    live, added, rng = [], [], random.Random(0)
+    added, rng = [], random.Random(0)
     prefix_of: dict[bytes, tuple[int, ...]] = {}  # block hash -> every token up to the block's end
     reference: dict[tuple[int, ...], dict] = {}
 
@@ -348,20 +344,14 @@ def test_shared_block_invariants_hold_after_every_step(ops, block_size):
                 assert torch.allclose(pools.k[layer][b], k[begin:], atol=ATOL), f"block {b} layer {layer}"
                 assert torch.allclose(pools.v[layer][b], v[begin:], atol=ATOL)
 
-    for op, which, extra, max_tokens in ops:
-        if op == _Ops.ADD:
-            ids = (_PREFIXES[which] if which < 3 else []) + [rng.randrange(2, 256) for _ in range(extra + 1)]
-            if which == 4 and added:  # an earlier sequence's tokens in whole blocks: copy-on-write
-                earlier = added[extra % len(added)].tokens
-                ids = earlier[: min(len(earlier), 48 - max_tokens) // block_size * block_size] or ids
-            live += engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            added.append(live[-1])
-        elif op == _Ops.ABORT and live:
-            engine.abort(live.pop(extra % len(live)))
-        else:
-            engine.step()
-        check()
-    while engine.has_unfinished():
-        engine.step()
-        check()
+    def add(which, extra, max_tokens):
+        ids = (_PREFIXES[which] if which < 3 else []) + [rng.randrange(2, 256) for _ in range(extra + 1)]
+        if which == 4 and added:  # an earlier sequence's tokens in whole blocks: copy-on-write
+            earlier = added[extra % len(added)].tokens
+            ids = earlier[: min(len(earlier), 48 - max_tokens) // block_size * block_size] or ids
+        seqs = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        added.extend(seqs)
+        return seqs
+
+    drive(engine, [(op, (which, extra, max_tokens), extra) for op, which, extra, max_tokens in ops], add, check)
     assert blocks.num_free == blocks.num_blocks and not engine.store.rows
