@@ -123,7 +123,7 @@ class LLMEngine:
                 pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype,
                                    self.device, options.kv_quant, fused=self.kernels)
                 self.blocks = BlockManager(num_blocks, bs, self._salt(options.kv_quant) if caching else None)
-        self.store = KVStore(self.specs, pools, kernels=self.kernels)
+        self.store = KVStore(self.specs, pools)
         self.graphs = None
         if self.kernels and kind == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs,

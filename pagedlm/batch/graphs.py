@@ -60,7 +60,7 @@ class DecodeGraphs:
         rows = tuple(range(n))
         return StepBatch(
             input_ids=self.input_ids[:n], positions=self.positions[:n],
-            query_start=None, seq_lens=self.seq_lens[:n], logits_rows=None,
+            seq_lens=self.seq_lens[:n], logits_rows=None,
             slot_mapping=self.slot_mapping[:n], block_tables=self.block_tables[:n],
             seq_ids=rows, query_start_host=tuple(range(n + 1)), seq_lens_host=(),
             sampling_rows=rows, max_position=self.max_position,

@@ -52,7 +52,6 @@ class Solo:
         step = StepBatch(
             input_ids=ids,
             positions=positions,
-            query_start=torch.tensor([0, n], device=self.device),
             seq_lens=torch.tensor([start + n], device=self.device),
             logits_rows=torch.tensor([n - 1], device=self.device),
             slot_mapping=None if self.table is None else positions,

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 class StepBatch:
     input_ids: torch.Tensor  # [T] the new tokens of every row, row after row
     positions: torch.Tensor  # [T] each token's position in its sequence
-    query_start: torch.Tensor  # [B + 1] row r's tokens are [query_start[r], query_start[r + 1])
     seq_lens: torch.Tensor  # [B] keys of row r after this step
     logits_rows: torch.Tensor  # [S] index into T of the last token of each row that samples
     slot_mapping: torch.Tensor | None  # [T] paged store: pool slot of each new key/value
@@ -64,7 +63,7 @@ def prepare_step(
         if begin + n == seq.num_tokens:
             sampling.append(r)
     # Everything the device needs goes over in one copy, then is cut apart.
-    parts = [ids, positions, starts, lens, [starts[r + 1] - 1 for r in sampling]]
+    parts = [ids, positions, lens, [starts[r + 1] - 1 for r in sampling]]
     width = 0
     if blocks is not None:
         tables = [blocks.tables[seq.seq_id] for seq, _ in rows]
@@ -78,11 +77,10 @@ def prepare_step(
         parts += [padded[row_of, pos // bs] * bs + pos % bs, padded.reshape(-1)]
     sizes = [len(p) for p in parts]
     packed = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).to(device)
-    input_ids, positions_t, query_start, seq_lens, logits_rows, *paged = packed.split(sizes)
+    input_ids, positions_t, seq_lens, logits_rows, *paged = packed.split(sizes)
     return StepBatch(
         input_ids=input_ids,
         positions=positions_t,
-        query_start=query_start,
         seq_lens=seq_lens,
         logits_rows=logits_rows,
         slot_mapping=paged[0] if paged else None,

@@ -97,12 +97,12 @@ def make_row_caches(specs: list[KVSpec], paged_layers: frozenset[int] = frozense
 
 
 class KVStore:
-    def __init__(self, specs: list[KVSpec], pools: "PagedPools | None" = None, kernels: bool = False) -> None:
+    def __init__(self, specs: list[KVSpec], pools: "PagedPools | None" = None) -> None:
         self.specs = specs
         self.pools = pools
-        self.kernels = kernels
+        self.kernels = pools is not None and pools.fused  # attention reads the pools in place
         pooled = pools.layers if pools is not None else ()
-        self.paged_layers = frozenset(i for i in pooled if specs[i].window is None or kernels)
+        self.paged_layers = frozenset(i for i in pooled if specs[i].window is None or self.kernels)
         self.mirrored_layers = frozenset(pooled) - self.paged_layers
         self._row_layers = [i for i in range(len(specs)) if i not in self.paged_layers]
         self.rows: dict[int, list[Cache | None]] = {}
