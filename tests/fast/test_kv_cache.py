@@ -138,7 +138,7 @@ def window_visible(start: int, L: int, S: int, window: int) -> torch.Tensor:
     return (p - j >= 0) & (p - j < window)
 
 
-def run_rotating(window: int, lengths: list[int], seed: int = 0) -> None:
+def assert_rotating_matches_reference(window: int, lengths: list[int], seed: int = 0) -> None:
     """Feed ``lengths`` to a RotatingKVCache; after each update the attention
     over (fetched keys, make_mask) must equal the whole-history reference."""
     gen = torch.Generator().manual_seed(seed)
@@ -178,7 +178,7 @@ def run_rotating(window: int, lengths: list[int], seed: int = 0) -> None:
     ],
 )
 def test_rotating_attention_matches_whole_history_window(window, lengths):
-    run_rotating(window, lengths)
+    assert_rotating_matches_reference(window, lengths)
 
 
 @settings(deadline=None, max_examples=100)
@@ -188,7 +188,7 @@ def test_rotating_attention_matches_whole_history_window(window, lengths):
     seed=st.integers(0, 2**16),
 )
 def test_rotating_any_update_sequence_matches_reference(window, lengths, seed):
-    run_rotating(window, lengths, seed)
+    assert_rotating_matches_reference(window, lengths, seed)
 
 
 @settings(deadline=None, max_examples=50)

@@ -109,7 +109,7 @@ def test_engine_with_kernels_matches_the_torch_path(tiny):
     """The whole engine on the kernels (sliding layers paged and bounded in
     the kernel; decode rows in place; prompt chunks beside them) against the
     torch path: the same greedy tokens, logprobs within 1e-4 (float32)."""
-    engines_agree(*tiny[1:], "none")
+    assert_kernels_match_torch_path(*tiny[1:], "none")
 
 
 def test_engine_with_kernels_on_int8_blocks_matches_the_torch_path():
@@ -117,10 +117,10 @@ def test_engine_with_kernels_on_int8_blocks_matches_the_torch_path():
     against the torch path's quantize and gather-dequantize. (Llama only:
     on Gemma the kernels page, hence quantize, the sliding layers that the
     torch path keeps in float row caches.)"""
-    engines_agree(tiny_model("llama"), CharTokenizer(), "int8")
+    assert_kernels_match_torch_path(tiny_model("llama"), CharTokenizer(), "int8")
 
 
-def engines_agree(model, tok, kv_quant):
+def assert_kernels_match_torch_path(model, tok, kv_quant):
     from pagedlm.batch.engine import LLMEngine
     from tests.fast.test_engine import GREEDY, paged, prompts, run_all
 

@@ -346,7 +346,7 @@ SCHEDULE = [
 ]
 
 
-def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int, kv_quant: str = "none") -> int:
+def assert_schedule_matches_default_and_reference(schedule, block_size: int, num_blocks: int, dtype, seed: int, kv_quant: str = "none") -> int:
     """Run ``schedule`` through the default and the paged store: equal to the
     bit (``kv_quant`` none), and both equal to brute force over each row's
     history (8-bit pools: over the round trip of its keys on paged layers)."""
@@ -425,7 +425,7 @@ def run_schedule(schedule, block_size: int, num_blocks: int, dtype, seed: int, k
 def test_paged_store_is_bit_identical_to_default_and_matches_brute_force(block_size, dtype):
     # Room for every row at its longest (< 400 tokens together), plus slack.
     num_blocks = -(-400 // block_size) + 4
-    assert run_schedule(SCHEDULE, block_size, num_blocks, dtype, seed=block_size) > 0
+    assert assert_schedule_matches_default_and_reference(SCHEDULE, block_size, num_blocks, dtype, seed=block_size) > 0
 
 
 @pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
@@ -436,7 +436,7 @@ def test_quantized_paged_store_attends_over_exactly_the_round_trip_of_each_rows_
     preemption, blocks reused) through 8-bit pools: brute force over each
     row's dequantized history, within float32 (or bfloat16) rounding."""
     num_blocks = -(-400 // block_size) + 4
-    assert run_schedule(SCHEDULE, block_size, num_blocks, dtype, seed=block_size, kv_quant=kv_quant) > 0
+    assert assert_schedule_matches_default_and_reference(SCHEDULE, block_size, num_blocks, dtype, seed=block_size, kv_quant=kv_quant) > 0
 
 
 def test_store_windowed_layer_stays_per_row_in_both_stores():
@@ -466,4 +466,4 @@ def test_random_schedules_paged_equals_default(data, block_size, seed):
             rows.append((n, take))
         schedule.append(("step", rows))
     num_blocks = len(prompts) * -(-(12 + 8) // block_size)
-    run_schedule(schedule, block_size, num_blocks, torch.float32, seed)
+    assert_schedule_matches_default_and_reference(schedule, block_size, num_blocks, torch.float32, seed)

@@ -28,4 +28,5 @@ def openai_shaped_errors(ctx, response, case):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_input_the_schema_allows_gets_a_5xx_or_a_non_openai_error(case):
     response = case.call()
+    # Raises (a failure listing the broken checks) on a 5xx or a non-OpenAI error body.
     case.validate_response(response, checks=[not_a_server_error, openai_shaped_errors])
