@@ -22,8 +22,8 @@ values in the values' dtype, as flash attention does.
 A sliding-window layer passes ``window``: keys older than ``seq_len -
 window`` are skipped (the query at position ``p`` sees ``p - j < window``).
 
-Triton is imported lazily-tolerant: without it (a CPU-only install) the
-module imports, ``available()`` is False and the engine uses the torch path.
+Triton is optional: without it (a CPU-only install) the module still
+imports, ``available()`` is False and the engine uses the torch path.
 Under ``TRITON_INTERPRET=1`` the kernels run on the CPU (the tests do this).
 """
 

@@ -281,11 +281,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(dim, 2 * hidden_dim, bias=bias)
         self.down_proj = Linear(hidden_dim, dim, bias=bias)
         self.act = ACTIVATIONS[activation]
-        self.gelu = activation == "gelu_pytorch_tanh"
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if fused.enabled(gate_up) and gate_up.dim() == 2:
-            return self.down_proj(fused.act_mul(gate_up, self.gelu))
+            return self.down_proj(fused.act_mul(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
