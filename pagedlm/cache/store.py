@@ -155,41 +155,34 @@ class KVStore:
         self._fetched[layer] = fetched
 
     def attend(self, layer: int, q: torch.Tensor, step: "StepBatch", *, scale: float) -> torch.Tensor:
-        if self.kernels:
-            return self._attend_in_place(layer, q, step, scale)
+        if self.kernels and step.num_tokens == len(step.seq_ids):
+            # every row decodes: the kernel alone, nothing read on the host (a CUDA graph replays it)
+            return self._decode_in_place(layer, q, step.block_tables, step.seq_lens, scale)
         plan = self._plan(step, q.device)
         fetched = self._fetched.pop(layer, None)  # None: a paged layer
         if len(step.seq_ids) == 1:  # one row: its output is the whole output
             if plan.decode:
-                return self._attend_rows(layer, q, plan, fetched, scale)
+                return self._decode(layer, q, plan, fetched, scale)
             return self._attend_one(layer, q, plan, 0, fetched, scale)
         out = torch.empty_like(q)
         if plan.decode:
-            out[plan.decode_tokens] = self._attend_rows(layer, q[plan.decode_tokens], plan, fetched, scale)
+            out[plan.decode_tokens] = self._decode(layer, q[plan.decode_tokens], plan, fetched, scale)
         bounds = step.query_start_host
         for r in plan.prefill:
             a, b = bounds[r], bounds[r + 1]
             out[a:b] = self._attend_one(layer, q[a:b], plan, r, fetched, scale)
         return out
 
-    def _attend_in_place(self, layer, q, step, scale) -> torch.Tensor:
-        """Kernels: decode rows read their blocks where they lie; prompt
-        chunks gather theirs. A step of decode rows only reads nothing on
-        the host (a CUDA graph replays it)."""
-        k, v, window = self.pools.k[layer], self.pools.v[layer], self.specs[layer].window
-        scales = self.pools.scales(layer)
-        if step.num_tokens == len(step.seq_ids):
-            return paged_decode(q, k, v, step.block_tables, step.seq_lens, scale, window, scales)
-        plan = self._plan(step, q.device)
-        out = torch.empty_like(q)
-        if plan.decode:
-            out[plan.decode_tokens] = paged_decode(q[plan.decode_tokens], k, v, plan.decode_tables,
-                                                   plan.decode_seq_lens, scale, window, scales)
-        bounds = step.query_start_host
-        for r in plan.prefill:
-            a, b = bounds[r], bounds[r + 1]
-            out[a:b] = self._attend_one(layer, q[a:b], plan, r, None, scale)
-        return out
+    def _decode(self, layer, q, plan, fetched, scale) -> torch.Tensor:
+        """The step's decode rows: in place with the kernels, else gathered."""
+        if self.kernels:
+            return self._decode_in_place(layer, q, plan.decode_tables, plan.decode_seq_lens, scale)
+        return self._attend_rows(layer, q, plan, fetched, scale)
+
+    def _decode_in_place(self, layer, q, block_tables, seq_lens, scale) -> torch.Tensor:
+        """Decode rows reading their blocks where they lie (``paged_decode``)."""
+        return paged_decode(q, self.pools.k[layer], self.pools.v[layer], block_tables, seq_lens, scale,
+                            self.specs[layer].window, self.pools.scales(layer))
 
     def _attend_one(self, layer, q, plan, r, fetched, scale) -> torch.Tensor:
         """A row with several queries (a prompt chunk): its keys, its mask, SDPA."""
