@@ -20,17 +20,26 @@ import triton
 
 from pagedlm.bench.decode import copy_bandwidth, load_random
 from pagedlm.batch.engine import LLMEngine
+from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels import paged_attention as pa
 from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m": (4, 1, 256)}
+TUNABLE = ("PROGRAMS", "BLOCK_N", "BLOCK_N_8BIT", "STAGES")  # --set NAME=VALUE overrides (a sweep)
 
 
-def kernel_rows(bandwidth: float) -> list[dict]:
+CASES = ((1, 512), (1, 4096), (1, 32768), (8, 4096), (64, 2048), (256, 1024))
+
+
+def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("none",)) -> list[dict]:
+    """The decode kernel alone (median of ``do_bench``, L2 flushed) per shape,
+    (batch, context) and KV format; bytes are what it must read: keys and
+    values (8-bit codes plus a bf16 scale per token and head when quantized)."""
     rows = []
-    for shape, (hq, hkv, d) in SHAPES.items():
-        for batch, context in ((1, 512), (1, 4096), (1, 32768), (8, 4096), (64, 2048), (256, 1024)):
+    for shape in shapes:
+        hq, hkv, d = SHAPES[shape]
+        for batch, context in cases:
             bs = 16
             blocks_per_row = -(-context // bs)
             num_blocks = batch * blocks_per_row
@@ -39,13 +48,22 @@ def kernel_rows(bandwidth: float) -> list[dict]:
             tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row)
             seq_lens = torch.full((batch,), context, device="cuda")
             q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-            ms = triton.testing.do_bench(lambda: pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5),
-                                         warmup=50, rep=300, return_mode="median")
-            nbytes = 2 * batch * context * hkv * d * 2 + 2 * q.numel() * 2
-            rows.append({"kind": "kernel", "shape": shape, "batch": batch, "context": context, "block_size": bs,
-                         "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1),
-                         "fraction_of_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3)})
-            print(json.dumps(rows[-1]), flush=True)
+            for fmt in formats:
+                if fmt == "none":
+                    pools, scales, per_head = (k_pool, v_pool), None, d * 2
+                else:
+                    (kq, ks), (vq, vs) = kvq.quantize(k_pool, fmt), kvq.quantize(v_pool, fmt)
+                    pools, scales, per_head = (kq, vq), (ks, vs), d + 2
+                ms = triton.testing.do_bench(
+                    lambda: pa.paged_decode(q, *pools, tables, seq_lens, d**-0.5, scales=scales),
+                    warmup=50, rep=300, return_mode="median")
+                nbytes = 2 * batch * context * hkv * per_head + 2 * q.numel() * 2
+                rows.append({"kind": "kernel", "shape": shape, "batch": batch, "context": context,
+                             "block_size": bs, "kv": fmt, "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1),
+                             "fraction_of_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3),
+                             "constants": {k: getattr(pa, k) for k in TUNABLE}})
+                print(json.dumps(rows[-1]), flush=True)
+                del pools, scales
             del k_pool, v_pool
     return rows
 
@@ -92,13 +110,23 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--skip", nargs="*", default=[], choices=["kernel", "curve"])
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768 (default: CASES)")
+    p.add_argument("--kv", nargs="*", default=["none"], choices=kvq.KV_QUANT_MODES, help="KV formats of the kernel rows")
+    p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")
     args = p.parse_args()
+    for item in args.set:
+        name, value = item.split("=")
+        if name not in TUNABLE:
+            p.error(f"--set: {name} is not one of {', '.join(TUNABLE)}")
+        setattr(pa, name, int(value))
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases] if args.cases else CASES
     bandwidth = copy_bandwidth("cuda")
     print(json.dumps({"kind": "copy", "gb_s": round(bandwidth / 1e9, 1),
                       "gpu": torch.cuda.get_device_name(0)}), flush=True)
     rows = []
     if "kernel" not in args.skip:
-        rows += kernel_rows(bandwidth)
+        rows += kernel_rows(bandwidth, args.shapes, cases, args.kv)
     if "curve" not in args.skip:
         rows += curve_rows("qwen3-0.6b")
     if args.out:
@@ -109,7 +137,7 @@ def main() -> int:
     print("\ncopy bandwidth %.0f GB/s" % (bandwidth / 1e9))
     for r in rows:
         if r["kind"] == "kernel":
-            print(f"kernel {r['shape']:14s} B={r['batch']:3d} ctx={r['context']:6d} {r['ms']:8.4f} ms "
+            print(f"kernel {r['shape']:14s} {r['kv']:4s} B={r['batch']:3d} ctx={r['context']:6d} {r['ms']:8.4f} ms "
                   f"{r['gb_s']:7.0f} GB/s ({100 * r['fraction_of_copy']:.0f}% of copy)")
         else:
             print(f"curve B={r['batch']:3d} default {r['default_tok_s']:9.1f} tok/s  fused "

@@ -174,18 +174,30 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def bytes_per_decode_step(model, context: int) -> int:
-    """The fewest bytes one batch-1 decode step reads: every weight once
-    (an embedding is read once whole as the tied head) and the keys and
-    values of ``context`` tokens (a sliding layer's window at most)."""
+    """The fewest bytes one batch-1 decode step reads: every weight a product
+    reads, once (a quantized layer's kernel buffers, not its row copy; an
+    embedding only as the tied head: a lookup reads one row), and the keys
+    and values of ``context`` tokens (a sliding layer's window at most)."""
     from ..cache.store import kv_bytes
+    from ..models.layers import Embedding
 
-    seen, weights = set(), 0
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    skip = set()  # storages no product reads
+    def storages(tensors) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in tensors}
+
+    for m in model.modules():
+        if isinstance(m, Embedding):
+            held = [m.weight] if m.quant is None else list(m.quant.buffers())
+            read = ([m.weight] if m.quant is None else m.quant.linear_buffers()) if tied else []
+            skip |= storages(held) - storages(read)
+    seen, weights = set(skip), 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             weights += t.untyped_storage().nbytes()
     specs = model.kv_spec()
-    elem = next(model.parameters()).element_size()
+    elem = next(model.parameters()).element_size()  # the model dtype (norms stay float when quantized)
     per_token = [2 * sp.num_kv_heads * sp.head_dim * elem for sp in specs]
     return weights + kv_bytes(specs, per_token, [context])
 
@@ -248,14 +260,15 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     kv_quant = engine_options.kv_quant
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
     runners: dict[str, Callable] = {
-        "default": _ours(model, tokenizer, dataclasses.replace(unquantized, paged_kv=None), args.gen_len)}
+        "default": _ours(model, tokenizer, default_store(engine_options), args.gen_len)}
     for name, options in paged_configs(unquantized, device).items():
         runners[name] = _ours(model, tokenizer, options, args.gen_len)
     if kv_quant != "none":  # 8-bit blocks against the unquantized paged store, same run
         runners[f"paged-{kv_quant}"] = _ours(model, tokenizer, engine_options, args.gen_len)
+    models = dict.fromkeys(runners, model)
     if quantization != "none":
-        qmodel = load_for_bench(args, quantization=quantization)[0]
-        runners[quantization] = _ours(qmodel, tokenizer, dataclasses.replace(engine_options, paged_kv=None),
+        models[quantization] = load_for_bench(args, quantization=quantization)[0]
+        runners[quantization] = _ours(models[quantization], tokenizer, fastest_config(unquantized, device),
                                       args.gen_len)
     if args.against == "hf":
         from .throughput import hf_model
@@ -276,10 +289,11 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
             for name, run in runners.items():
                 timings[name].add(*run(ids))
         roofline = None
-        if bandwidth is not None:
-            step_bytes = bytes_per_decode_step(model, n + args.gen_len // 2)
+        if bandwidth is not None:  # per row: a quantized model reads fewer bytes
+            step_bytes = {name: bytes_per_decode_step(models.get(name, model), n + args.gen_len // 2)
+                          for name in runners}
             roofline = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "bytes_per_step": step_bytes,
-                        "roofline_ms": step_bytes / bandwidth * 1e3}
+                        "roofline_ms": {k: b / bandwidth * 1e3 for k, b in step_bytes.items()}}
         _report(args, spec, device, dtype, n, engine_options.paged_kv, timings, roofline)
     return 0
 
@@ -310,24 +324,25 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
     if device.startswith("cuda"):
         base["gpu"] = torch.cuda.get_device_name(device)
     if roofline is not None:
-        base.update(copy_bandwidth_gb_s=roofline["copy_bandwidth_gb_s"], bytes_per_step=roofline["bytes_per_step"],
-                    roofline_ms_per_token=round(roofline["roofline_ms"], 4))
+        base["copy_bandwidth_gb_s"] = roofline["copy_bandwidth_gb_s"]
     rows = []
     against = next((k for k in ("hf", "llama.cpp") if k in med), None)
     tag = {"hf": "hf", "llama.cpp": "llama_cpp"}.get(against)
     for name in med:
         if name == against:
             continue
-        paged_row = name.startswith("paged")
+        paged_row = name.startswith("paged") or (name in opt.QUANTIZATIONS and paged is not None)
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
                "decode_ms_per_token": round(1e3 / med[name][1], 3),
                "paged_kv": paged_row,
                "block_size": paged.block_size if paged_row else None,
                "kv_quant": name.removeprefix("paged-") if name in KV_QUANT_ROWS else "none",
-               "quantization": name if name in ("int8", "int4") else "none"}
+               "quantization": name if name in opt.QUANTIZATIONS else "none"}
         if roofline is not None:
-            row["roofline_fraction"] = round(roofline["roofline_ms"] * med[name][1] / 1e3, 3)
+            row.update(bytes_per_step=roofline["bytes_per_step"][name],
+                       roofline_ms_per_token=round(roofline["roofline_ms"][name], 4),
+                       roofline_fraction=round(roofline["roofline_ms"][name] * med[name][1] / 1e3, 3))
         if name != "default":
             row["decode_ratio_vs_default"] = round(med[name][1] / med["default"][1], 3)
             row["prefill_ratio_vs_default"] = round(med[name][0] / med["default"][0], 3)
@@ -336,7 +351,7 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
             row[f"{tag}_decode_tok_s"] = round(med[against][1], 2)
             row[f"{tag}_decode_ms_per_token"] = round(1e3 / med[against][1], 3)
             if roofline is not None:
-                row[f"{tag}_roofline_fraction"] = round(roofline["roofline_ms"] * med[against][1] / 1e3, 3)
+                row[f"{tag}_roofline_fraction"] = round(roofline["roofline_ms"][against] * med[against][1] / 1e3, 3)
             row[f"prefill_ratio_vs_{tag}"] = round(med[name][0] / med[against][0], 3)
             row[f"decode_ratio_vs_{tag}"] = round(med[name][1] / med[against][1], 3)
         rows.append(row)
@@ -349,3 +364,17 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
                                             f"decode_ratio_vs_{tag}") if k in row)
             print(f"{row['name']:20s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
                   f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)
+
+
+def fastest_config(engine_options: opt.EngineOptions, device: str) -> opt.EngineOptions:
+    """Where a bench's quantized-weights row runs: the fastest store asked
+    for (the last of ``paged_configs``, else the default store), with
+    unquantized KV, so that it differs from that row by the weights alone."""
+    unquantized = dataclasses.replace(engine_options, kv_quant="none")
+    return [default_store(engine_options), *paged_configs(unquantized, device).values()][-1]
+
+
+def default_store(engine_options: opt.EngineOptions) -> opt.EngineOptions:
+    """The default-store row of a bench: no paging (so no paged attention
+    backend and no KV quantization), everything else as asked."""
+    return dataclasses.replace(engine_options, paged_kv=None, attention_backend="auto", kv_quant="none")

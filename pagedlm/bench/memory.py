@@ -54,7 +54,7 @@ def _check(args) -> None:
 
 
 def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import load_for_bench
+    from .decode import default_store, load_for_bench
 
     _check(args)
     model, tokenizer, device, dtype, spec = load_for_bench(args)
@@ -82,7 +82,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     params = opt.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     kv_quant = engine_options.kv_quant
-    runs = {"default": dataclasses.replace(base_options, paged_kv=None, kv_quant="none"),
+    runs = {"default": default_store(base_options),
             "paged": dataclasses.replace(base_options, paged_kv=paged, kv_quant="none")}
     if kv_quant != "none":
         runs[f"paged-{kv_quant}"] = dataclasses.replace(base_options, paged_kv=paged)

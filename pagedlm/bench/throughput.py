@@ -294,10 +294,10 @@ def _check(args) -> None:
 
 
 def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import load_for_bench, paged_configs
+    from .decode import default_store, fastest_config, load_for_bench, paged_configs
 
     _check(args)
-    model, tokenizer, device, dtype, spec = load_for_bench(args)
+    model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else 10000
     work = make_workload(args.num_prompts, args.min_len, args.max_len, args.seed, vocab)
     hf_work = work[: args.hf_num_prompts] if args.hf_num_prompts else work
@@ -308,10 +308,15 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     configs: dict[str, opt.EngineOptions] = {}
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
     if paged is None or args.stores == "both":
-        configs["default"] = dataclasses.replace(unquantized, paged_kv=None)
+        configs["default"] = default_store(engine_options)
     configs.update(paged_configs(unquantized, device))
     if engine_options.kv_quant != "none":
         configs[f"paged-{engine_options.kv_quant}"] = engine_options
+    models = dict.fromkeys(configs, model)
+    quantization = opt.resolve_quantization(args.quantization)
+    if quantization != "none":  # quantized weights against the same store's float row
+        configs[quantization] = fastest_config(engine_options, device)
+        models[quantization] = load_for_bench(args, quantization=quantization)[0]
     runs: dict[str, list[Run]] = {name: [] for name in configs}
     kv_capacity: dict[str, int] = {}
     # One engine at a time: on CUDA the paged pool takes most free memory, and
@@ -322,7 +327,7 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     interrupted = False
     try:  # Ctrl-C or SIGINT (a time limit): report what was measured
         for name, options in configs.items():
-            engines[name] = ours(model, tokenizer, options, work, device)
+            engines[name] = ours(models[name], tokenizer, options, work, device)
             kv_capacity[name] = engines[name].llm.engine.kv_usage().capacity
             limits = hf_limits(engines[name].llm.engine, device)
             if device.startswith("cuda"):
@@ -382,7 +387,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity
         s = r.stats
         row = {"name": f"pagedlm-{name}", **base, "store": store,
                "block_size": options.paged_kv.block_size if options.paged_kv else None,
-               "kv_quant": options.kv_quant,
+               "kv_quant": options.kv_quant, "quantization": name if name in opt.QUANTIZATIONS else "none",
                "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
@@ -396,6 +401,9 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity
         paged = next((k for k, o in configs.items() if o.paged_kv and o.kv_quant == "none" and runs.get(k)), None)
         if options.kv_quant != "none" and paged is not None:
             row["ratio_vs_paged"] = round(r.tok_s / _median_run(runs[paged]).tok_s, 3)
+        same_store = next((k for k, o in configs.items() if o == options and k != name and runs.get(k)), None)
+        if name in opt.QUANTIZATIONS and same_store is not None:
+            row["ratio_vs_unquantized"] = round(r.tok_s / _median_run(runs[same_store]).tok_s, 3)
         if hf is not None:
             row["hf_output_tok_s"] = round(hf.tok_s, 2) if hf.error is None else None
             row["hf_elapsed_s"] = round(hf.seconds, 3) if hf.error is None else None
@@ -426,6 +434,8 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity
             line += f" | x{row['ratio_vs_default']} vs default"
         if "ratio_vs_paged" in row:
             line += f" | x{row['ratio_vs_paged']} vs paged"
+        if "ratio_vs_unquantized" in row:
+            line += f" | x{row['ratio_vs_unquantized']} vs unquantized weights"
         if "hf_output_tok_s" in row:
             if row["hf_output_tok_s"] is None:
                 line += f" | transformers failed: {row.get('hf_error')}"

@@ -42,6 +42,8 @@ except ImportError:  # CPU installs: the reference path serves
 SPLIT = 128  # keys per decode split: fixed, so a row's result ignores its neighbours
 PROGRAMS = 16  # programs per (row, KV head); program z takes splits z, z + 16, ...
 BLOCK_N = 64  # keys per tile inside a split
+BLOCK_N_8BIT = 128  # 8-bit pools: tiles of as many bytes, so half the tiles
+STAGES = 3  # tiles whose loads the decode loop keeps in flight
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
 
@@ -110,7 +112,7 @@ if triton is not None:
         scale, window,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        QUANT: tl.constexpr,
+        QUANT: tl.constexpr, STAGES: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -129,35 +131,39 @@ if triton is not None:
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         kv_base = kvh * stride_kh
-        for s in range(s_begin, tl.cdiv(seq_len, SPLIT), PROGRAMS):
-            end = tl.minimum(s * SPLIT + SPLIT, seq_len)
-            for n0 in range(tl.maximum(s * SPLIT, lo), end, BLOCK_N):
-                toks = n0 + tl.arange(0, BLOCK_N)
-                tmask = toks < end
-                block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
-                slots = block * BS + toks % BS
-                offs = slots[:, None] * stride_slot + kv_base + d[None, :]
-                k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0)
-                if QUANT:  # 8-bit codes times their token's scale, in registers
-                    k_scale = tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
-                    k = (k.to(tl.float32) * k_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
-                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                qk = tl.where(tmask[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0)
-                if QUANT:
-                    v_scale = tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
-                    v = (v.to(tl.float32) * v_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
+        # One flat loop over this program's tiles (split after split), so the
+        # compiler can keep the next tiles' loads in flight (num_stages).
+        TILES: tl.constexpr = SPLIT // BLOCK_N
+        count = tl.cdiv(tl.maximum(tl.cdiv(seq_len, SPLIT) - s_begin, 0), PROGRAMS)
+        for i in tl.range(0, count * TILES, num_stages=STAGES):
+            toks = (s_begin + (i // TILES) * PROGRAMS) * SPLIT + (i % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+            tmask = (toks < seq_len) & (toks >= lo)
+            block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
+            slots = block * BS + toks % BS
+            offs = slots[:, None] * stride_slot + kv_base + d[None, :]
+            k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0)
+            if QUANT:  # 8-bit codes times their token's scale, in registers
+                k_scale = tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
+                k = (k.to(tl.float32) * k_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            qk = tl.where(tmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A tile wholly before the window (m_new still -inf) adds nothing.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0)
+            if QUANT:
+                v_scale = tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
+                v = (v.to(tl.float32) * v_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
         filled = l_i > 0  # a program whose splits are all past the row's end (or before its window)
         safe_l = tl.where(filled, l_i, 1.0)
         lse = tl.where(filled, m_i + tl.log(safe_l), float("-inf"))
         tl.store(OutPart + b * stride_ob + heads[:, None] * stride_oh + z * stride_oz + d[None, :],
-                 acc / safe_l[:, None], mask=gmask[:, None])
+                 acc / safe_l[:, None], mask=gmask[:, None] & filled[:, None])  # the merge skips empties
         tl.store(LsePart + b * stride_lb + heads * stride_lh + z, lse, mask=gmask)
 
     @triton.jit
@@ -171,7 +177,9 @@ if triton is not None:
         z = tl.arange(0, PROGRAMS)
         d = tl.arange(0, D)
         lse = tl.load(LsePart + b * stride_lb + h * stride_lh + z)  # >= 1 finite: a row has a key
-        part = tl.load(OutPart + b * stride_pb + h * stride_ph + z[:, None] * stride_pz + d[None, :])
+        filled = lse > float("-inf")  # an empty program wrote no partial: not read
+        part = tl.load(OutPart + b * stride_pb + h * stride_ph + z[:, None] * stride_pz + d[None, :],
+                       mask=filled[:, None], other=0.0)
         w = tl.exp(lse - tl.max(lse, 0))  # empty programs: exp(-inf) = 0
         out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
         tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
@@ -248,7 +256,8 @@ def paged_decode(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), Hkv,
         scale, _window(window),
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT, PROGRAMS=PROGRAMS,
-        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
+        BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None, STAGES=STAGES,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out,

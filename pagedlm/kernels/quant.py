@@ -158,6 +158,11 @@ class QuantizedWeight(torch.nn.Module):
         y = y.to(x.dtype).reshape(*shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
+    def linear_buffers(self) -> list[torch.Tensor]:
+        """What ``linear`` reads: the kernel's layout of the weight."""
+        names = ("qweight", "kernel_scales") if self.mode == "int8" else ("packed", "scales_and_zeros")
+        return [getattr(self, n) for n in names if hasattr(self, n)]
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized: ``F.embedding(ids, W)``."""
         stored = {name: getattr(self, name) for name in ("qweight", "scales", "mins") if hasattr(self, name)}

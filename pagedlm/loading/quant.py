@@ -147,8 +147,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     for module in quantizable(model).values():
         w = module.weight.detach()
         is_embedding = isinstance(module, Embedding)
-        quant = QuantizedWeight.from_stored({k: v.cpu() for k, v in quantize(w.cpu(), mode).items()},
-                                            tuple(w.shape), w.device, rows=is_embedding,
-                                            linear=not is_embedding or tied)
+        quant = QuantizedWeight.from_stored(quantize(w, mode), tuple(w.shape), w.device, rows=is_embedding,
+                                            linear=not is_embedding or tied)  # on w's device: fast on a GPU
         module.set_quantized(quant, w.dtype)
     return model

@@ -184,3 +184,56 @@ def test_prefix_json_rows(tiny, capsys):
     chat_off = [r["prefill_tokens_computed"] for r in rows[6:9]]
     assert chat_off == [r["prompt_tokens"] for r in rows[6:9]] == [25, 34, 43]
     assert chat_on[0] == 25 and all(n < 5 + 4 + 16 for n in chat_on[1:])
+
+
+def test_quantized_decode_row_runs_on_the_paged_store(tiny, capsys):
+    argv = ["bench", "decode", "--model", tiny, "--random-weights", "--device", "cpu", "--prompt-len", "40",
+            "--gen-len", "3", "--repeats", "1", "--paged-kv", "--quantization", "int4", "--kv-budget-bytes", "8M",
+            "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["name"], r["paged_kv"], r["quantization"]) for r in rows] == [
+        ("pagedlm-default", False, "none"), ("pagedlm-paged", True, "none"), ("pagedlm-int4", True, "int4")]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_step_bytes_are_what_the_products_read(tiny, tied, tmp_path):
+    """Weights a batch-1 step reads: every float weight, except an untied
+    embedding (a lookup reads a row); quantized, the kernels' buffers only
+    (not a tied embedding's row copy)."""
+    from pagedlm.bench.decode import bytes_per_decode_step, load_random
+    from pagedlm.loading.quant import quantize_model, quantizable
+    from pagedlm.models.layers import Embedding
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "tie_word_embeddings": tied}))
+    model = load_random(str(tmp_path), "cpu", torch.float32)[0]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = 512 * 64 * 4
+    assert bytes_per_decode_step(model, 0) == params - (0 if tied else table)
+    quantize_model(model, "int4")
+    kernels = sum(b.numel() * b.element_size() for m in quantizable(model).values()
+                  if tied or not isinstance(m, Embedding) for b in m.quant.linear_buffers())
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())  # norms
+    assert bytes_per_decode_step(model, 0) == kernels + floats
+
+
+def test_throughput_quantized_row_beside_its_float_store(tiny, capsys):
+    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu",
+            "--num-prompts", "4", "--min-len", "4", "--max-len", "12", "--paged-kv", "--quantization", "int8",
+            "--stores", "paged", "--kv-budget-bytes", "8M", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["name"], r["store"], r["quantization"]) for r in rows] == [
+        ("pagedlm-paged", "paged", "none"), ("pagedlm-int8", "paged", "int8")]
+    assert rows[1]["output_tokens"] == rows[1]["requested_output_tokens"] and rows[1]["ratio_vs_unquantized"] > 0
+    assert "ratio_vs_unquantized" not in rows[0]
+
+
+def test_a_default_store_row_drops_the_paged_backend():
+    """`--attention-backend triton` is refused without paging: a bench's
+    default-store row must not carry it (nor 8-bit KV) over."""
+    from pagedlm.bench.decode import default_store
+    from pagedlm.options import EngineOptions, PagedKvOptions
+
+    options = EngineOptions(paged_kv=PagedKvOptions(16), attention_backend="triton", kv_quant="int8", max_num_seqs=3)
+    assert default_store(options) == EngineOptions(max_num_seqs=3)
