@@ -11,21 +11,23 @@
 #           roofline of each row's own bytes; the 256-prompt workload, int4
 #           against bf16 (Qwen3-0.6B shape).
 # Usage (repository root, GPU machine): PART=1 OUT=... bash benchmarks/gpu_quant_session.sh
+# (GPU_TESTS=path narrows the tests of PART=1.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=benchmarks/configs
 if [ "${PART:-1}" = 1 ]; then
-  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1
+  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1
   tail -6 "$OUT/gpu_tests.log"
-  for variant in "" "STAGES=1 BLOCK_N_8BIT=64" "PROGRAMS=32"; do
+  for variant in "" "BLOCK_N_8BIT=64" "STAGES=1 BLOCK_N_8BIT=64"; do
     timeout 100 python3 benchmarks/gpu_fast.py --skip curve --shapes llama-3.1-8b \
       --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv none fp8 int8 ${variant:+--set $variant} 2>&1 \
       | grep '^kernel\|^copy\|Error' | sed "s/^/[${variant:-new}] /" | tee -a "$OUT/kernel_sweep.txt"
   done
   timeout "${KV_TIMEOUT:-150}" python3 -m pagedlm.cli bench decode --random-weights --model $M/llama-3.1-8b \
     --device cuda --prompt-len 8192 32768 --gen-len 64 --repeats 2 --paged-kv --kv-quant fp8 --attention-backend triton \
-    --kv-budget-bytes 17G --max-num-seqs 1 --max-num-batched-tokens 1024 --json 2>/dev/null | grep '^{' > "$OUT/kv_quant_decode.jsonl"
+    --kv-budget-bytes 17G --max-num-seqs 1 --max-num-batched-tokens 1024 --json 2>"$OUT/kv_quant_decode.err" | grep '^{' > "$OUT/kv_quant_decode.jsonl"
+  [ -s "$OUT/kv_quant_decode.jsonl" ] || tail -5 "$OUT/kv_quant_decode.err"
   python3 - "$OUT/kv_quant_decode.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

@@ -141,11 +141,10 @@ if triton is not None:
             block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
             slots = block * BS + toks % BS
             offs = slots[:, None] * stride_slot + kv_base + d[None, :]
-            k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0)
-            if QUANT:  # 8-bit codes times their token's scale, in registers
-                k_scale = tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
-                k = (k.to(tl.float32) * k_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
+            k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0).to(Q.dtype.element_ty)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if QUANT:  # 8-bit codes are exact in q's dtype; a key's scale multiplies its scores
+                qk = qk * tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
             qk = tl.where(tmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A tile wholly before the window (m_new still -inf) adds nothing.
@@ -153,11 +152,11 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0)
-            if QUANT:
-                v_scale = tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0)
-                v = (v.to(tl.float32) * v_scale.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0).to(Q.dtype.element_ty)
+            pv = p
+            if QUANT:  # ... and a value's scale its probability
+                pv = p * tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         filled = l_i > 0  # a program whose splits are all past the row's end (or before its window)
         safe_l = tl.where(filled, l_i, 1.0)
@@ -237,8 +236,10 @@ def paged_decode(
     """Attention of one query per row over its paged keys: ``q`` ``[B, H_q,
     D]``, ``block_tables`` ``[B, W]``, ``seq_lens`` ``[B]`` (keys per row, the
     query's own included). Returns ``[B, H_q, D]``. With ``scales`` the
-    pools hold 8-bit codes, dequantized in registers (code x its token's
-    scale, rounded to ``q``'s dtype). The launch's shape
+    pools hold 8-bit codes, read as ``q``'s dtype (exactly: int8 and e4m3
+    codes fit bf16 and fp16); a token's scale multiplies its scores (keys)
+    and its probability (values) in float32, so no element is multiplied
+    or rounded on its own. The launch's shape
     depends on ``B`` and the heads only, never on lengths: a CUDA graph
     captured once serves every length."""
     B, Hq, D = q.shape
