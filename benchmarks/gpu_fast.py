@@ -69,6 +69,7 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                     for args in calls:
                         pa.paged_decode(*args)
 
+                torch.cuda.synchronize()  # the bench replays on its own stream: the pools must be written
                 ms = triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median") / len(calls)
                 nbytes = kv_bytes + 2 * batch * hq * d * 2
                 rows.append({"kind": "kernel", "shape": shape, "batch": batch, "context": context,

@@ -133,14 +133,16 @@ class Scheduler:
             if not self._reserve(seq, hit, start, min(seq.num_tokens - start, budget)):
                 break
             del self.waiting[w]
+            # Running before its storage is attached: if attaching raises, an
+            # abort finds it where it is and releases what it got.
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
             self._attach(seq, hit, start)
             n = min(seq.num_tokens - seq.num_computed, budget)  # a prompt-cache hit shortens it
             if self.blocks is not None:
                 self._allocate(seq, n)
                 if seq.num_computed:
                     self.store.seed_row(seq.seq_id, self.blocks.tables[seq.seq_id], seq.num_computed)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
             rows.append((seq, n))
             budget -= n
         return rows

@@ -72,5 +72,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """An 8-bit tensor's storage as ``uint8`` (a view: no copy)."""
+    """A tensor's storage as ``uint8`` (a view: no copy; a wider dtype's
+    last dimension grows by its size)."""
     return t.view(torch.uint8)

@@ -131,4 +131,5 @@ class PagedPools:
         d = s.new_tensor(dst)
         for pools in (self.k, self.v, self.k_scale, self.v_scale):
             for pool in pools.values():
-                pool.index_copy_(0, d, pool.index_select(0, s))
+                raw = kvq.as_bytes(pool)  # index_copy_ has no float8 kernels; bytes copy any dtype
+                raw.index_copy_(0, d, raw.index_select(0, s))
