@@ -44,6 +44,7 @@ PROGRAMS = 16  # programs per (row, KV head); program z takes splits z, z + 16, 
 BLOCK_N = 64  # keys per tile inside a split
 BLOCK_N_8BIT = 128  # 8-bit pools: tiles of as many bytes, so half the tiles
 STAGES = 3  # tiles whose loads the decode loop keeps in flight
+WARPS = 4  # warps per decode program
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
 
@@ -259,6 +260,7 @@ def paged_decode(
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT, PROGRAMS=PROGRAMS,
         BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None, STAGES=STAGES,
+        num_warps=WARPS,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out,
