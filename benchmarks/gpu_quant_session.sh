@@ -19,10 +19,12 @@ M=benchmarks/configs
 if [ "${PART:-1}" = 1 ]; then
   timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1
   tail -6 "$OUT/gpu_tests.log"
-  for variant in "" "BLOCK_N_8BIT=64" "STAGES=1 BLOCK_N_8BIT=64"; do
+  IFS=, read -ra variants <<< "${VARIANTS:-as-is}"  # e.g. VARIANTS="as-is,STAGES=1 BLOCK_N_8BIT=64"
+  for variant in "${variants[@]}"; do
+    sets=(); [ "$variant" = as-is ] || sets=(--set $variant)
     timeout 100 python3 benchmarks/gpu_fast.py --skip curve --shapes llama-3.1-8b \
-      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv none fp8 int8 ${variant:+--set $variant} 2>&1 \
-      | grep '^kernel\|^copy\|Error' | sed "s/^/[${variant:-new}] /" | tee -a "$OUT/kernel_sweep.txt"
+      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv none fp8 int8 "${sets[@]}" 2>&1 \
+      | grep '^kernel\|^copy\|Error' | sed "s/^/[$variant] /" | tee -a "$OUT/kernel_sweep.txt"
   done
   timeout "${KV_TIMEOUT:-150}" python3 -m pagedlm.cli bench decode --random-weights --model $M/llama-3.1-8b \
     --device cuda --prompt-len 8192 32768 --gen-len 64 --repeats 2 --paged-kv --kv-quant fp8 --attention-backend triton \

@@ -29,6 +29,7 @@ Under ``TRITON_INTERPRET=1`` the kernels run on the CPU (the tests do this).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,7 +44,8 @@ SPLIT = 128  # keys per decode split: fixed, so a row's result ignores its neigh
 PROGRAMS = 16  # programs per (row, KV head); program z takes splits z, z + 16, ...
 BLOCK_N = 64  # keys per tile inside a split
 BLOCK_N_8BIT = 128  # 8-bit pools: tiles of as many bytes, so half the tiles
-STAGES = 3  # tiles whose loads the decode loop keeps in flight
+STAGES = 3  # tiles whose loads the decode loop keeps in flight (a small grid: latency-bound)
+STAGES_BUSY = 2  # ... when the grid fills the GPU twice over (stages change timing, never results)
 WARPS = 4  # warps per decode program
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
@@ -113,7 +115,7 @@ if triton is not None:
         scale, window,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        QUANT: tl.constexpr, STAGES: tl.constexpr,
+        QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr, F16_SHIFT: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -128,6 +130,13 @@ if triton is not None:
         heads = kvh * G + g
         d = tl.arange(0, D)
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        # 8-bit codes become the products' operands: float16 ones for a bf16
+        # query (e4m3 -> f16 is one instruction, -> bf16 several), the query
+        # scaled by 2^-8 into float16's range and the scores by 2^8 back.
+        DOT_T = tl.float16 if F16_DOT else Q.dtype.element_ty
+        if F16_DOT:
+            q = (q.to(tl.float32) * (1.0 / F16_SHIFT)).to(tl.float16)
+            scale = scale * F16_SHIFT
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -142,7 +151,7 @@ if triton is not None:
             block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
             slots = block * BS + toks % BS
             offs = slots[:, None] * stride_slot + kv_base + d[None, :]
-            k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0).to(Q.dtype.element_ty)
+            k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if QUANT:  # 8-bit codes are exact in q's dtype; a key's scale multiplies its scores
                 qk = qk * tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
@@ -153,7 +162,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0).to(Q.dtype.element_ty)
+            v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
             pv = p
             if QUANT:  # ... and a value's scale its probability
                 pv = p * tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
@@ -219,6 +228,13 @@ def _rows_flat(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _window(window: int | None) -> int:
     """The kernels' window: no window is one wider than any sequence."""
     return window if window is not None else NO_WINDOW
@@ -237,10 +253,10 @@ def paged_decode(
     """Attention of one query per row over its paged keys: ``q`` ``[B, H_q,
     D]``, ``block_tables`` ``[B, W]``, ``seq_lens`` ``[B]`` (keys per row, the
     query's own included). Returns ``[B, H_q, D]``. With ``scales`` the
-    pools hold 8-bit codes, read as ``q``'s dtype (exactly: int8 and e4m3
-    codes fit bf16 and fp16); a token's scale multiplies its scores (keys)
-    and its probability (values) in float32, so no element is multiplied
-    or rounded on its own. The launch's shape
+    pools hold 8-bit codes, read as float16 (exactly: int8 and e4m3 codes
+    fit it; a float32 query keeps float32); a token's scale multiplies its
+    scores (keys) and its probability (values) in float32, so no element is
+    multiplied or rounded on its own. The launch's shape
     depends on ``B`` and the heads only, never on lengths: a CUDA graph
     captured once serves every length."""
     B, Hq, D = q.shape
@@ -259,8 +275,9 @@ def paged_decode(
         scale, _window(window),
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT, PROGRAMS=PROGRAMS,
         BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None, STAGES=STAGES,
-        num_warps=WARPS,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
+        STAGES=STAGES if B * Hkv * PROGRAMS < 2 * _sm_count(q.device) else STAGES_BUSY,
+        F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, num_warps=WARPS,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out,
