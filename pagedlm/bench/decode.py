@@ -256,6 +256,10 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
             raise opt.OptionError("--against llama.cpp needs a GGUF model (a built-in name or a .gguf file)")
         if device != "cpu":
             raise opt.OptionError("--against llama.cpp runs on the CPU: add --device cpu")
+    if engine_options.paged_kv is not None:  # every repeat sends the same prompt: a prefix hit
+        # would make "prefill" one token's step, so each repeat prefills cold
+        engine_options = dataclasses.replace(
+            engine_options, paged_kv=dataclasses.replace(engine_options.paged_kv, prefix_caching=False))
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     kv_quant = engine_options.kv_quant
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
@@ -337,6 +341,7 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
                "decode_ms_per_token": round(1e3 / med[name][1], 3),
                "paged_kv": paged_row,
                "block_size": paged.block_size if paged_row else None,
+               "prefix_caching": paged.prefix_caching if paged_row else None,
                "kv_quant": name.removeprefix("paged-") if name in KV_QUANT_ROWS else "none",
                "quantization": name if name in opt.QUANTIZATIONS else "none"}
         if roofline is not None:

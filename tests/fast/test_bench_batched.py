@@ -194,6 +194,8 @@ def test_quantized_decode_row_runs_on_the_paged_store(tiny, capsys):
     rows = _rows(capsys)
     assert [(r["name"], r["paged_kv"], r["quantization"]) for r in rows] == [
         ("pagedlm-default", False, "none"), ("pagedlm-paged", True, "none"), ("pagedlm-int4", True, "int4")]
+    # repeats send one prompt: with prefix caching "prefill" would time a hit
+    assert [r["prefix_caching"] for r in rows] == [None, False, False]
 
 
 @pytest.mark.parametrize("tied", [True, False])
