@@ -10,19 +10,23 @@ and turns it into what each kernel wants.
 Stored ("portable") format, per ``[N, K]`` weight (``N`` outputs, ``K`` inputs):
 
 - int8: ``qweight`` int8 ``[N, K]``, ``scales`` float32 ``[N]``:
-  ``w = qweight * scale``, symmetric, ``scale = max|w_row| / 127``.
+  ``w = qweight * scale``, symmetric, ``scale`` the smallest bfloat16 value
+  ``>= max|w_row| / 127`` (the kernel reads its scales in bfloat16, so the
+  codes are rounded against the scale it will use).
 - int4: ``qweight`` uint8 ``[N, K / 2]``, two 4-bit codes ``q`` in 0..15 per
   byte, the even ``k`` in the high nibble (what ``_convert_weight_to_int4pack``
   takes on CUDA); ``scales``, ``mins`` float32 ``[N, K / 32]``:
-  ``w = q * scale + min`` (asymmetric, min/max of each group of 32). GGUF's
-  Q4_K and Q4_1 blocks are 32 weights of exactly this form, so their values
-  come back almost exactly.
+  ``w = q * scale + min``. ``quantize`` takes min/max of each group of 32;
+  a GGUF's Q4_0 / Q4_1 / Q4_K blocks are 32 weights of exactly this form, and
+  ``loading.quant`` stores their own codes, scales and mins (``pack_int4``).
 
 The kernels' form of the same numbers: ``w = (q - 8) * scale + zero`` with
 ``zero = min + 8 * scale``, scales and zeros interleaved as ``[K/32, N, 2]``.
-The CPU kernels take bfloat16 activations only at speed (float32 ones run a
-slow path, 5-10x slower here): the product rounds ``x`` to bfloat16 and
-returns ``x``'s dtype.
+The CPU kernels take bfloat16 activations only at speed (float32 and float16
+ones run a slow path, 5-10x slower here), and scales and zeros in the
+activations' dtype: the product rounds ``x``, the int8 scales and the int4
+scales and zeros to bfloat16 and returns ``x``'s dtype. The stored int4
+numbers stay float32 (embedding rows are dequantized from them exactly).
 """
 
 from __future__ import annotations
@@ -41,6 +45,18 @@ def int4_fits(shape: tuple[int, int]) -> bool:
     return n % 16 == 0 and k % GROUP_SIZE == 0 and k % 2 == 0
 
 
+def bfloat16_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 value ``>= x``, as float32 (``x`` positive, finite)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)  # bfloat16 is float32's top 16 bits
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Codes ``[N, K]`` (0..15), scales and mins ``[N, K / 32]`` -> the stored int4 tensors."""
+    q = codes.to(torch.uint8)
+    return {"qweight": (q[:, ::2] << 4) | q[:, 1::2], "scales": scales.float(), "mins": mins.float()}
+
+
 def quantize(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
     """A float ``[N, K]`` weight -> the stored tensors of ``mode`` (int4 falls
     back to int8 for shapes the int4 kernels do not take, see ``int4_fits``)."""
@@ -51,12 +67,11 @@ def quantize(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         lo, hi = groups.amin(-1), groups.amax(-1)
         scale = (hi - lo) / 15
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: q = 0
-        q = ((groups - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        q = q.reshape(n, k)
-        return {"qweight": (q[:, ::2] << 4) | q[:, 1::2], "scales": scale, "mins": lo}
+        q = ((groups - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15)
+        return pack_int4(q.reshape(n, k), scale, lo)
     if mode in ("int8", "int4"):
         scale = w.abs().amax(1) / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = bfloat16_ceil(torch.where(scale > 0, scale, torch.ones_like(scale)))
         q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         return {"qweight": q, "scales": scale}
     raise ValueError(f"unknown quantization mode {mode!r} (expected one of {', '.join(MODES)})")

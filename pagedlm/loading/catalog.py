@@ -170,6 +170,15 @@ def converted_folder(gguf_path: Path, sha256: str | None = None) -> Path:
     return final
 
 
+def converted_from(folder: str | Path) -> Path | None:
+    """The .gguf a converted folder was made from (its stamp); None for any other folder."""
+    try:
+        stamp = json.loads((Path(folder) / "pagedlm.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return Path(stamp["source"])
+
+
 def _cached(sha256: str) -> Path | None:
     folder = cache_dir() / "converted" / sha256[:16]
     try:

@@ -117,16 +117,75 @@ def hf_tensor_name(name: str, arch: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face name for architecture {arch!r}")
 
 
+def _hf_rows(g: GgufFile, name: str, rows: np.ndarray, config: dict) -> np.ndarray:
+    """Rows of GGUF tensor ``name`` (weights, or anything indexed by output row) in HF order."""
+    if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
+        rows = unpermute_qk(rows, heads)
+    return np.ascontiguousarray(rows)
+
+
 def hf_tensor(g: GgufFile, tensor, config: dict) -> tuple[str, np.ndarray]:
     """One GGUF tensor as (HF name, float32 array), llama.cpp storage quirks undone."""
     w = dequantize(tensor.data, tensor.tensor_type, tensor.shape)
-    name = tensor.name
-    if g.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-        heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
-        w = unpermute_qk(w, heads)
-    if g.arch == "gemma3" and name.endswith("norm.weight"):
+    if g.arch == "gemma3" and tensor.name.endswith("norm.weight"):
         w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w); HF stores w
-    return hf_tensor_name(name, g.arch), np.ascontiguousarray(w)
+    return hf_tensor_name(tensor.name, g.arch), _hf_rows(g, tensor.name, w, config)
+
+
+# Types whose every 32-weight block is ``w = q * scale + min``, q in 0..15.
+FOUR_BIT_BLOCKS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+
+
+def four_bit_blocks(data: np.ndarray, qtype: GGMLQuantizationType, ggml_shape) -> dict[str, np.ndarray]:
+    """A 4-bit tensor's own numbers, in torch order: ``codes`` uint8 ``[N, K]``
+    (0..15), ``scales`` and ``mins`` float32 ``[N, K / 32]``, such that
+    ``codes * scale + min`` (in float32) is exactly what ``dequantize`` returns
+    (bit for bit, but for Q4_0's ``-0.0`` from a negative ``d``, which comes back ``+0.0``).
+
+    Q4_0: ``d * (q - 8)``; Q4_1: ``d * q + m``; Q4_K: super-blocks of 256
+    whose eight 32-blocks have ``scale = d * sc``, ``min = -dmin * m`` (6-bit
+    ``sc``, ``m``). Each product is exact in float32, so no value moves."""
+    if qtype not in FOUR_BIT_BLOCKS:
+        raise ValueError(f"{qtype.name} is not a 4-bit type of 32-weight blocks")
+    n, k = (int(d) for d in reversed(list(ggml_shape)))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.asarray(data).view(np.uint8).reshape(-1, type_size)
+    half = lambda b: b.copy().view(np.float16).astype(np.float32)  # noqa: E731
+    if qtype == GGMLQuantizationType.Q4_K:
+        d, dmin = half(blocks[:, 0:2]), half(blocks[:, 2:4])
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4 : 4 + gguf.quants.Q4_K.K_SCALE_SIZE])
+        scales, mins = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+        qs = blocks[:, 4 + gguf.quants.Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)  # 64 weights per 32 bytes
+    else:
+        scales = half(blocks[:, 0:2])
+        mins = half(blocks[:, 2:4]) if qtype == GGMLQuantizationType.Q4_1 else np.float32(-8) * scales
+        qs = blocks[:, (4 if qtype == GGMLQuantizationType.Q4_1 else 2) :].reshape(-1, 1, 1, 16)
+    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
+    return {"codes": codes.reshape(n, k), "scales": scales.reshape(n, k // 32), "mins": mins.reshape(n, k // 32)}
+
+
+# Quantized types with more than 4 bits a weight: ``--quantization int4`` keeps them at int8.
+WIDER_THAN_4_BITS = tuple(GGMLQuantizationType[n] for n in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"))
+
+
+class SourceWeights:
+    """The GGUF a folder was converted from, as ``loading.quant`` asks it: a
+    weight's storage type, and a 4-bit weight's own numbers, by HF name."""
+
+    def __init__(self, path: str | Path, config: dict):
+        self.g, self.config = read_gguf(path), config
+        self.tensors = {hf_tensor_name(t.name, self.g.arch): t for t in self.g.tensors}
+
+    def qtype(self, name: str) -> GGMLQuantizationType | None:
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.tensor_type
+
+    def four_bit(self, name: str) -> dict[str, np.ndarray]:
+        """``four_bit_blocks`` of weight ``name``, rows in HF order."""
+        t = self.tensors[name]
+        blocks = four_bit_blocks(t.data, t.tensor_type, t.shape)
+        return {part: _hf_rows(self.g, t.name, a, self.config) for part, a in blocks.items()}
 
 
 # ---------------------------------------------------------------- config

@@ -10,6 +10,24 @@ module's, so neither ever holds the float model: a GGUF Q4 8B model that is
 Which weights are quantized is the model's business, not this file's: every
 ``models.layers.Linear`` and ``Embedding`` (so the tied output head too);
 norms and biases stay float.
+
+What each mode stores, by where a weight comes from (``_stored``):
+
+- ``int8``: every weight int8 per output channel (``kernels.quant.quantize``).
+- ``int4``, from a float folder (safetensors, or a GGUF's F32/F16/BF16
+  tensors): int4 in groups of 32, min/max of each group.
+- ``int4``, from a GGUF's Q4_0 / Q4_1 / Q4_K tensor: that tensor's own
+  codes, scales and mins, so the stored weight is the file's bit for bit.
+  Re-deriving them from min/max of the floats misaligns the grid wherever
+  a block does not use both codes 0 and 15 (Q4_K's fitted scales often
+  do not): +2% perplexity on Gemma 3 270M, against +0.03% for the file's own.
+- ``int4``, from a GGUF tensor stored in more bits (Q5_*, Q6_K, Q8_*): int8,
+  as llama.cpp runs such a tensor in its own type. Pushed to int4 they cost
+  Gemma 3 270M +23% (its Q5_0/Q6_K/Q8_0 linears) and +8.5% (its Q8_0
+  embedding, the tied head).
+- Fused q/k/v and gate/up take the int4 form only if every part does, and
+  int8 if any part is wider than 4 bits.
+- Other GGUF types (fewer bits, non-linear grids) go as from a float folder.
 """
 
 from __future__ import annotations
@@ -19,17 +37,18 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedlm.kernels.quant import GROUP_SIZE, QuantizedWeight, quantize
+from pagedlm.kernels.quant import GROUP_SIZE, QuantizedWeight, int4_fits, pack_int4, quantize
 
-from .catalog import cache_dir
+from .catalog import cache_dir, converted_from
 from .hf import read_config
 
-QUANT_VERSION = 1  # bump when the stored format changes, so stale files are redone
+QUANT_VERSION = 2  # bump when the stored format or its derivation changes, so stale files are redone
 _PARTS = ("qweight", "scales", "mins")
 
 
@@ -65,11 +84,42 @@ def _layer_of(name: str) -> str:
     return ""
 
 
+def _source(folder: Path):
+    """The GGUF ``folder`` was converted from (``gguf.SourceWeights``), None for a float folder."""
+    path = converted_from(folder)
+    if path is None:
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} was converted from {path}, which is gone: int4 reads that file's "
+                                "4-bit blocks (reinstall it, or load the .gguf again)")
+    from .gguf import SourceWeights
+
+    return SourceWeights(path, read_config(folder))
+
+
+def _stored(key: str, w: torch.Tensor, mode: str, source) -> dict[str, torch.Tensor]:
+    """The stored tensors of weight ``key`` (float ``w``) in ``mode``; see the module doc."""
+    if mode != "int4" or source is None:
+        return quantize(w, mode)
+    from pagedlm.models.layers import projection_parts
+
+    from .gguf import FOUR_BIT_BLOCKS, WIDER_THAN_4_BITS
+
+    parts = projection_parts(key)
+    types = [source.qtype(part) for part in parts]
+    if all(t in FOUR_BIT_BLOCKS for t in types) and int4_fits(tuple(w.shape)):
+        blocks = [source.four_bit(part) for part in parts]
+        return pack_int4(*(torch.from_numpy(np.concatenate([b[name] for b in blocks]))
+                           for name in ("codes", "scales", "mins")))
+    return quantize(w, "int8" if any(t in WIDER_THAN_4_BITS for t in types) else "int4")
+
+
 def convert(folder: str | Path, mode: str, out: Path) -> None:
     """Quantize ``folder``'s weights into the safetensors file ``out``, one
     layer's float tensors in memory at a time."""
     from pagedlm.models import build_model
 
+    source = _source(Path(folder)) if mode == "int4" else None
     with torch.device("meta"):
         model = build_model(read_config(folder))
     targets = {f"{name}.weight" for name in quantizable(model)}
@@ -85,7 +135,7 @@ def convert(folder: str | Path, mode: str, out: Path) -> None:
         for key, w in weights.items():
             if key in targets:
                 stem = key.removesuffix("weight")
-                stored.update({stem + part: t.contiguous() for part, t in quantize(w, mode).items()})
+                stored.update({stem + part: t.contiguous() for part, t in _stored(key, w, mode, source).items()})
             else:
                 stored[key] = w.contiguous()
         del weights

@@ -243,6 +243,15 @@ FUSED_PROJECTIONS = {
 }
 
 
+def projection_parts(name: str) -> list[str]:
+    """The HF tensor names a tensor of a fused module was made from (``[name]`` if none)."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if f".{fused}." in name:
+            prefix, suffix = name.split(f".{fused}.")
+            return [f"{prefix}.{part}.{suffix}" for part in parts]
+    return [name]
+
+
 def fuse_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Concatenate HF's q/k/v and gate/up tensors (weights and biases) along
     the output dimension, under the fused modules' names.
@@ -253,13 +262,10 @@ def fuse_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """
     out = dict(weights)
     for fused, parts in FUSED_PROJECTIONS.items():
-        marker = f".{parts[0]}."
         for key in weights:
-            if marker not in key:
-                continue
-            prefix, suffix = key.split(marker)
-            names = [f"{prefix}.{part}.{suffix}" for part in parts]
-            out[f"{prefix}.{fused}.{suffix}"] = torch.cat([out.pop(name) for name in names])
+            if f".{parts[0]}." in key:
+                fused_key = key.replace(f".{parts[0]}.", f".{fused}.")
+                out[fused_key] = torch.cat([out.pop(name) for name in projection_parts(fused_key)])
     return out
 
 

@@ -1,7 +1,8 @@
 """GGUF -> HF conversion without real weights: dequantization of every block
 type the built-in models use (against gguf-py and against decoders written
-here from ggml's block layouts), the llama.cpp q/k permutation, and a tiny
-synthetic llama / gemma3 GGUF converted and loaded end to end."""
+here from ggml's block layouts), the llama.cpp q/k permutation, a tiny
+synthetic llama / gemma3 GGUF converted and loaded end to end, and int4 taken
+from the file's own 4-bit blocks."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def random_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Raw bytes [ROWS, bytes_per_row] for ``qtype``: quantized by gguf-py where it
     can, else random bytes with finite f16 scales (K-quants)."""
     x = rng.standard_normal((ROWS, COLS)).astype(np.float32)
-    if qtype in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_1, Q.Q5_0):
+    if qtype in (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0):
         return gguf.quants.quantize(x, qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (ROWS, COLS // block, size), dtype=np.uint8)
@@ -203,7 +204,8 @@ def tiny_vocab(arch: str) -> dict:
     return dict(model="llama", tokens=tokens, types=types, merges=None, bos=2, eos=1, add_bos=True)
 
 
-def write_tiny_gguf(path, arch: str, hf: dict[str, np.ndarray], n_layer: int) -> None:
+def write_tiny_gguf(path, arch: str, hf: dict[str, np.ndarray], n_layer: int, types: dict[str, Q] | None = None) -> None:
+    """``types``: GGUF tensor name -> the type whose raw bytes ``hf`` holds for it; float32 otherwise."""
     v = tiny_vocab(arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(n_layer)
@@ -231,7 +233,7 @@ def write_tiny_gguf(path, arch: str, hf: dict[str, np.ndarray], n_layer: int) ->
     w.add_eos_token_id(v["eos"])
     w.add_add_bos_token(v["add_bos"])
     for name, t in hf.items():
-        w.add_tensor(name, t)
+        w.add_tensor(name, t, raw_dtype=(types or {}).get(name))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -409,3 +411,68 @@ def test_loader_annotations_resolve():
     from pagedlm.loading import hf
 
     assert typing.get_type_hints(hf.load_model)["return"] is torch.nn.Module
+
+
+# ---------------------------------------------------------------- int4 from the file's own blocks
+
+
+@pytest.mark.parametrize("qtype", conv.FOUR_BIT_BLOCKS, ids=lambda q: q.name)
+def test_four_bit_blocks_rebuild_the_dequantized_values_bit_for_bit(qtype):
+    raw = random_blocks(qtype, np.random.default_rng(5))
+    blocks = conv.four_bit_blocks(raw, qtype, [COLS, ROWS])
+    assert blocks["codes"].shape == (ROWS, COLS) and blocks["codes"].max() <= 15
+    assert blocks["scales"].shape == blocks["mins"].shape == (ROWS, COLS // 32)
+    rebuilt = (blocks["codes"].reshape(ROWS, -1, 32).astype(np.float32) * blocks["scales"][..., None]
+               + blocks["mins"][..., None]).reshape(ROWS, COLS)
+    ours = conv.dequantize(raw, qtype, [COLS, ROWS])
+    assert np.array_equal(rebuilt, ours)  # exact values; Q4_0's d * 0 may be -0.0 where ours is +0.0
+
+
+def _quantized_gguf(tmp_path, monkeypatch):
+    """A tiny llama GGUF stored as a Q4-family file is: Q4_1 linears, layer 1's
+    attn_v in Q8_0 and every ffn_down in Q5_0 (wider than 4 bits). Every other
+    Q4_1 block uses codes 0..7 only, as fitted K-quant blocks may: min/max of
+    its floats would put it on another grid."""
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "cache"))
+    stored = tiny_tensors("llama", 2, np.random.default_rng(6))
+    types = {name: Q.Q4_1 for name, t in stored.items() if t.ndim == 2 and name.startswith("blk.")}
+    types |= {"blk.1.attn_v.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q5_0, "blk.1.ffn_down.weight": Q.Q5_0}
+    for name, qtype in types.items():
+        stored[name] = gguf.quants.quantize(stored[name], qtype)
+        if qtype == Q.Q4_1:
+            blocks = stored[name].reshape(-1, gguf.GGML_QUANT_SIZES[Q.Q4_1][1])
+            blocks[::2, 4:] &= 0x77  # after d and m (f16 each): 32 codes, two a byte
+    path = tmp_path / "q4.gguf"
+    write_tiny_gguf(path, "llama", stored, 2, types)
+    return path
+
+
+def test_int4_of_a_gguf_keeps_4bit_blocks_exact_and_wider_tensors_int8(tmp_path, monkeypatch):
+    from safetensors.torch import load_file as load_torch
+
+    from pagedlm.kernels.quant import dequantize as dequantize_stored
+    from pagedlm.loading import quant as lq
+
+    folder = catalog.resolve(_quantized_gguf(tmp_path, monkeypatch))
+    model = lq.load_quantized(folder, "int4", "cpu", torch.float32)
+    floats = model.sanitize(load_torch(folder / "model.safetensors"))
+    stored = load_torch(lq.quantized_path(folder, "int4"))
+    int4 = ["0.self_attn.qkv_proj", "0.self_attn.o_proj", "0.mlp.gate_up_proj", "1.self_attn.o_proj", "1.mlp.gate_up_proj"]
+    int8 = ["1.self_attn.qkv_proj", "0.mlp.down_proj", "1.mlp.down_proj"]  # a Q8_0 part; Q5_0
+    for name in int4 + int8:
+        key = f"model.layers.{name}."
+        tensors = {p: stored[key + p] for p in ("qweight", "scales", "mins") if key + p in stored}
+        assert ("mins" in tensors) == (name in int4), name
+        assert dict(model.named_modules())[key[:-1]].quant.mode == ("int4" if name in int4 else "int8")
+        if name in int4:  # the file's own numbers: the float folder's values, bit for bit (q/k rows unpermuted)
+            assert torch.equal(dequantize_stored(tensors).view(torch.int32), floats[key + "weight"].view(torch.int32)), name
+
+
+def test_int4_of_a_gguf_whose_file_is_gone_says_so(tmp_path, monkeypatch):
+    from pagedlm.loading import quant as lq
+
+    path = _quantized_gguf(tmp_path, monkeypatch)
+    folder = catalog.resolve(path)
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="q4.gguf, which is gone"):
+        lq.load_quantized(folder, "int4", "cpu", torch.float32)

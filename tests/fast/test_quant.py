@@ -47,6 +47,17 @@ def test_int8_round_trip_is_within_half_a_step_per_row():
     assert (err <= t["scales"][:, None] / 2 * (1 + 1e-5)).all()
 
 
+def test_int8_scales_are_the_bfloat16_values_the_kernel_reads():
+    """The kernel rounds scales to bfloat16; codes are rounded against that scale,
+    the smallest bfloat16 at or above max|w_row| / 127, so no code overflows."""
+    w = _weight()
+    scales = quantize(w, "int8")["scales"]
+    assert torch.equal(scales.to(torch.bfloat16).float(), scales)
+    exact = w.abs().amax(1) / 127
+    below = (scales.to(torch.bfloat16).view(torch.int16) - 1).view(torch.bfloat16).float()
+    assert (scales >= exact).all() and (below < exact).all()
+
+
 def test_int4_round_trip_is_within_half_a_step_per_group():
     w = _weight()
     t = quantize(w, "int4")
