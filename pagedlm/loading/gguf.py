@@ -151,18 +151,22 @@ def four_bit_blocks(data: np.ndarray, qtype: GGMLQuantizationType, ggml_shape) -
     n, k = (int(d) for d in reversed(list(ggml_shape)))
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(data).view(np.uint8).reshape(-1, type_size)
-    half = lambda b: b.copy().view(np.float16).astype(np.float32)  # noqa: E731
     if qtype == GGMLQuantizationType.Q4_K:
-        d, dmin = half(blocks[:, 0:2]), half(blocks[:, 2:4])
+        d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4 : 4 + gguf.quants.Q4_K.K_SCALE_SIZE])
         scales, mins = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
         qs = blocks[:, 4 + gguf.quants.Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32)  # 64 weights per 32 bytes
     else:
-        scales = half(blocks[:, 0:2])
-        mins = half(blocks[:, 2:4]) if qtype == GGMLQuantizationType.Q4_1 else np.float32(-8) * scales
+        scales = _half(blocks[:, 0:2])
+        mins = _half(blocks[:, 2:4]) if qtype == GGMLQuantizationType.Q4_1 else np.float32(-8) * scales
         qs = blocks[:, (4 if qtype == GGMLQuantizationType.Q4_1 else 2) :].reshape(-1, 1, 1, 16)
     codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
     return {"codes": codes.reshape(n, k), "scales": scales.reshape(n, k // 32), "mins": mins.reshape(n, k // 32)}
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """Two bytes a block -> the float16 they hold, as float32 ``[blocks, 1]``."""
+    return raw.copy().view(np.float16).astype(np.float32)
 
 
 # Quantized types with more than 4 bits a weight: ``--quantization int4`` keeps them at int8.
