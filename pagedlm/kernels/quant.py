@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 MODES = ("none", "int8", "int4")
 GROUP_SIZE = 32  # int4 group; GGUF Q4_K / Q4_1 use 32-weight blocks too
+CPU_GEMM_ROWS = 64  # int8 on the CPU: from this many rows (a prompt chunk) dequantize + MKL's GEMM
 _PACK_CHUNK = 8192  # rows unpacked at a time when laying int4 out for a kernel
 
 
@@ -154,22 +155,26 @@ class QuantizedWeight(torch.nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype)
-        if self.mode == "int4":
+        x2 = x.reshape(-1, shape[-1])
+        if self.mode == "int8" and (not self._int8_cuda_ok or (x2.device.type == "cpu"
+                                                               and x2.shape[0] >= CPU_GEMM_ROWS)):
+            # Dequantized once per call, in x's dtype: many rows on the CPU (the
+            # bf16 kernel computes slower than MKL there), or no int8 kernel.
+            y = F.linear(x2, self.qweight.to(x2.dtype) * self.kernel_scales.to(x2.dtype)[:, None])
+        elif self.mode == "int4":
+            x2 = x2.to(self.compute_dtype)
             if x2.device.type == "cpu":
                 y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP_SIZE, self.scales_and_zeros)
             else:
                 y = torch._weight_int4pack_mm(x2, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        elif x2.device.type == "cpu" or self._int8_cuda_ok:
+        else:
             try:
-                y = torch._weight_int8pack_mm(x2, self.qweight, self.kernel_scales)
+                y = torch._weight_int8pack_mm(x2.to(self.compute_dtype), self.qweight, self.kernel_scales)
             except (RuntimeError, NotImplementedError):
                 if x2.device.type == "cpu":
                     raise
-                self._int8_cuda_ok = False  # no int8 kernel in this torch build on CUDA
-                y = F.linear(x2, self.qweight.to(x2.dtype) * self.kernel_scales[:, None])
-        else:
-            y = F.linear(x2, self.qweight.to(x2.dtype) * self.kernel_scales[:, None])
+                self._int8_cuda_ok = False  # no int8 kernel in this torch build on CUDA: dequantize
+                return self.linear(x, bias)
         y = y.to(x.dtype).reshape(*shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, GGUFReader
-from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tqdm import tqdm
@@ -398,18 +397,36 @@ def tokenizer_config(g: GgufFile) -> dict:
 # ---------------------------------------------------------------- writing
 
 
+def write_float32_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], arrays) -> None:
+    """A safetensors file of float32 tensors written one at a time: the header
+    (names, shapes, offsets) first, then each array from ``arrays`` ((name,
+    array) pairs, in ``shapes``' order) as it comes. ``safetensors`` writes
+    only from a dict of every tensor, which for an 8B model is 32 GB of
+    float32 at once; this holds one tensor."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        size = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for (name, array), (expected, shape) in zip(arrays, shapes.items(), strict=True):
+            if name != expected or array.shape != shape:
+                raise ValueError(f"tensor {name} {array.shape} arrived where {expected} {shape} was declared")
+            f.write(np.ascontiguousarray(array, dtype=np.float32).data)
+
+
 def convert(gguf_path: str | Path, out_dir: str | Path) -> None:
     """Write an HF-style folder for ``gguf_path`` into ``out_dir`` (must exist)."""
     out = Path(out_dir)
     print(f"pagedlm: reading {Path(gguf_path).name} (once; the converted folder is cached)", file=sys.stderr)
     g = read_gguf(gguf_path)
     config = hf_config(g)
-    weights = {}
-    for tensor in tqdm(g.tensors, desc="dequantizing", unit="tensor", file=sys.stderr):
-        name, w = hf_tensor(g, tensor, config)
-        weights[name] = w
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    del weights
+    shapes = {hf_tensor_name(t.name, g.arch): tuple(int(d) for d in reversed(list(t.shape))) for t in g.tensors}
+    tensors = tqdm(g.tensors, desc="dequantizing", unit="tensor", file=sys.stderr)
+    write_float32_safetensors(out / "model.safetensors", shapes, (hf_tensor(g, t, config) for t in tensors))
     with tqdm(total=1, desc="building tokenizer", file=sys.stderr) as bar:
         build_tokenizer(g).save(str(out / "tokenizer.json"))
         bar.update()

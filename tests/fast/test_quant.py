@@ -231,3 +231,17 @@ def test_cli_rejects_bad_quantization_in_one_line(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "quantization must be" in err and err.count("\n") == 1
+
+
+def test_int8_prompt_chunks_on_the_cpu_multiply_in_float32():
+    """From CPU_GEMM_ROWS rows the weight is dequantized and the product is
+    MKL's float32 one (the kernel's bf16 activations would be ~1e-3 off)."""
+    from pagedlm.kernels.quant import CPU_GEMM_ROWS
+
+    w = _weight()
+    stored = quantize(w, "int8")
+    qw = QuantizedWeight.from_stored(stored, tuple(w.shape), "cpu")
+    x = torch.randn(CPU_GEMM_ROWS, w.shape[1], generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(qw.linear(x), x @ dequantize(stored).T, rtol=0, atol=1e-5)
+    one_row = qw.linear(x[:1])  # decode: the kernel, bf16 activations
+    assert (one_row - x[:1] @ dequantize(stored).T).abs().max() > 1e-5
