@@ -397,22 +397,44 @@ def tokenizer_config(g: GgufFile) -> dict:
 # ---------------------------------------------------------------- writing
 
 
-def write_float32_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], arrays) -> None:
-    """A safetensors file of float32 tensors written one at a time: the header
-    (names, shapes, offsets) first, then each array from ``arrays`` ((name,
-    array) pairs, in ``shapes``' order) as it comes. ``safetensors`` writes
-    only from a dict of every tensor, which for an 8B model is 32 GB of
-    float32 at once; this holds one tensor."""
+SHARD_BYTES = 2 << 30  # float32 shards of at most this much (a bigger tensor has one alone)
+
+
+def write_float32_shards(folder: Path, shapes: dict[str, tuple[int, ...]], arrays) -> None:
+    """float32 safetensors files written one tensor at a time: ``arrays``
+    yields (name, array) pairs in ``shapes``' order. ``safetensors`` writes
+    only from a dict of every tensor (32 GB of float32 for an 8B model), and
+    one 32 GB file cannot be memory-mapped privately on a 24 GB machine, so
+    the tensors go into shards of ``SHARD_BYTES`` (``model.safetensors`` when
+    one is enough, else ``model-00001-of-0000N.safetensors``, ...), each
+    written header first (names, shapes, offsets), then data as it comes."""
+    shards: list[dict[str, tuple[int, ...]]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shape
+        size += nbytes
+    arrays = iter(arrays)
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_shard(folder / name, shard, arrays)
+
+
+def _write_shard(path: Path, shapes: dict[str, tuple[int, ...]], arrays) -> None:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes.items():
-        size = 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
-        for (name, array), (expected, shape) in zip(arrays, shapes.items(), strict=True):
+        for expected, shape in shapes.items():
+            name, array = next(arrays)
             if name != expected or array.shape != shape:
                 raise ValueError(f"tensor {name} {array.shape} arrived where {expected} {shape} was declared")
             f.write(np.ascontiguousarray(array, dtype=np.float32).data)
@@ -426,7 +448,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> None:
     config = hf_config(g)
     shapes = {hf_tensor_name(t.name, g.arch): tuple(int(d) for d in reversed(list(t.shape))) for t in g.tensors}
     tensors = tqdm(g.tensors, desc="dequantizing", unit="tensor", file=sys.stderr)
-    write_float32_safetensors(out / "model.safetensors", shapes, (hf_tensor(g, t, config) for t in tensors))
+    write_float32_shards(out, shapes, (hf_tensor(g, t, config) for t in tensors))
     with tqdm(total=1, desc="building tokenizer", file=sys.stderr) as bar:
         build_tokenizer(g).save(str(out / "tokenizer.json"))
         bar.update()

@@ -316,6 +316,23 @@ def tiny_gguf(tmp_path, monkeypatch):
     return path
 
 
+def test_a_conversion_bigger_than_a_shard_is_split_and_holds_the_same_tensors(tmp_path, monkeypatch):
+    """Tensors are written one at a time into shards (an 8B model's float32
+    is too big for one memory-mapped file on a 24 GB machine)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama", tiny_tensors("llama", 2, np.random.default_rng(5)), 2)
+    one, many = tmp_path / "one", tmp_path / "many"
+    one.mkdir(), many.mkdir()
+    conv.convert(tmp_path / "tiny.gguf", one)
+    monkeypatch.setattr(conv, "SHARD_BYTES", 40_000)
+    conv.convert(tmp_path / "tiny.gguf", many)
+    shards = sorted(many.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    merged = {k: v for f in shards for k, v in load_file(f).items()}
+    single = load_file(one / "model.safetensors")
+    assert merged.keys() == single.keys() and all(np.array_equal(merged[k], single[k]) for k in single)
+    assert max(f.stat().st_size for f in shards) < 40_000 + max(v.nbytes for v in single.values()) + 4096
+
+
 def test_gguf_is_converted_once_into_the_cache(tiny_gguf, monkeypatch):
     import hashlib
 
