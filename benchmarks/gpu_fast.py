@@ -26,7 +26,7 @@ from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m": (4, 1, 256)}
-TUNABLE = ("PROGRAMS", "BLOCK_N", "BLOCK_N_8BIT", "STAGES", "STAGES_BUSY", "WARPS")  # --set NAME=VALUE overrides (a sweep)
+TUNABLE = ("SPLIT", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "BLOCK_N_8BIT", "STAGES", "STAGES_BUSY", "WARPS")  # --set NAME=VALUE overrides (a sweep)
 
 
 L2_PASS_BYTES = 512 << 20  # pools streamed per timed pass: ten times the H200's L2

@@ -9,14 +9,17 @@ block_size``. The kernels compute that address per token, so the block size
 only changes where rows come from, never the tiling.
 
 Decode is split-K ("flash-decoding"): a row's keys are cut into splits of
-``SPLIT`` tokens at fixed boundaries (0, SPLIT, 2*SPLIT, ...). The grid is
-(row, KV head, ``PROGRAMS``): program ``z`` takes splits ``z, z + PROGRAMS,
-...`` in order and keeps one running softmax over them for every query head
+``SPLIT`` tokens at fixed boundaries (0, SPLIT, 2*SPLIT, ...), and each
+split's softmax-weighted sum is computed on its own, for every query head
 of the KV group at once (the keys are read once per group, not once per
-query head); a second kernel merges a row's ``PROGRAMS`` partials. Where a
-key lands depends on nothing but the row's own length, so a row's output is
-the same whatever its neighbours in the batch; and the grid depends on the
-batch size and the heads only, so one CUDA graph serves every length.
+query head), and written as its own partial with its log-sum-exp; a second
+kernel merges a row's partials in split order. The grid is (row, KV head,
+programs): program ``z`` takes splits ``z, z + programs, ...``. Nothing a
+split computes depends on which program took it, so the program count can
+follow the batch size (many per row when the batch is small, one when the
+GPU is full: ``decode_programs``) while a row's output stays the same,
+bit for bit, whatever its neighbours in the batch; and the grid depends on
+the batch size and the heads only, so one CUDA graph serves every length.
 Scores and the running softmax are float32; the probabilities meet the
 values in the values' dtype, as flash attention does.
 A sliding-window layer passes ``window``: keys older than ``seq_len -
@@ -40,12 +43,14 @@ try:
 except ImportError:  # CPU installs: the reference path serves
     triton = None
 
-SPLIT = 128  # keys per decode split: fixed, so a row's result ignores its neighbours
-PROGRAMS = 16  # programs per (row, KV head); program z takes splits z, z + 16, ...
+SPLIT = 256  # keys per decode split, each its own partial: fixed, so a row's result ignores its neighbours
+PROGRAMS_PER_SM = 4  # decode_programs: how full the grid is made
+MAX_PROGRAMS = 128  # programs per (row, KV head) at most; program z takes splits z, z + programs, ...
+MERGE_CHUNK = 32  # splits the merge reads at a time
 BLOCK_N = 64  # keys per tile inside a split
 BLOCK_N_8BIT = 128  # 8-bit pools: tiles of as many bytes, so half the tiles
-STAGES = 3  # tiles whose loads the decode loop keeps in flight (a small grid: latency-bound)
-STAGES_BUSY = 2  # ... when the grid fills the GPU twice over (stages change timing, never results)
+STAGES = 3  # tiles whose loads a split keeps in flight, rows x KV heads < SMs (latency-bound)
+STAGES_BUSY = 2  # ... otherwise (stages change timing, never results)
 WARPS = 4  # warps per decode program
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
@@ -111,10 +116,10 @@ if triton is not None:
     def _decode_split_kernel(
         Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart,
         stride_qb, stride_qh, stride_slot, stride_kh, stride_tb,
-        stride_ob, stride_oh, stride_oz, stride_lb, stride_lh, stride_scale_slot,
-        scale, window,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_scale_slot,
+        scale, window, programs,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr, F16_SHIFT: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -122,8 +127,8 @@ if triton is not None:
         z = tl.program_id(2)
         seq_len = tl.load(SeqLens + b)
         lo = tl.maximum(seq_len - window, 0)
-        # This program's splits: z, z + PROGRAMS, ... from the first in the window.
-        s_begin = z + tl.cdiv(tl.maximum(lo // SPLIT - z, 0), PROGRAMS) * PROGRAMS
+        # This program's splits: z, z + programs, ... from the first in the window.
+        s_begin = z + tl.cdiv(tl.maximum(lo // SPLIT - z, 0), programs) * programs
 
         g = tl.arange(0, G_PAD)
         gmask = g < G
@@ -137,61 +142,69 @@ if triton is not None:
         if F16_DOT:
             q = (q.to(tl.float32) * (1.0 / F16_SHIFT)).to(tl.float16)
             scale = scale * F16_SHIFT
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
         kv_base = kvh * stride_kh
-        # One flat loop over this program's tiles (split after split), so the
-        # compiler can keep the next tiles' loads in flight (num_stages).
-        TILES: tl.constexpr = SPLIT // BLOCK_N
-        count = tl.cdiv(tl.maximum(tl.cdiv(seq_len, SPLIT) - s_begin, 0), PROGRAMS)
-        for i in tl.range(0, count * TILES, num_stages=STAGES):
-            toks = (s_begin + (i // TILES) * PROGRAMS) * SPLIT + (i % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-            tmask = (toks < seq_len) & (toks >= lo)
-            block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
-            slots = block * BS + toks % BS
-            offs = slots[:, None] * stride_slot + kv_base + d[None, :]
-            k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            if QUANT:  # 8-bit codes are exact in q's dtype; a key's scale multiplies its scores
-                qk = qk * tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
-            qk = tl.where(tmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A tile wholly before the window (m_new still -inf) adds nothing.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
-            pv = p
-            if QUANT:  # ... and a value's scale its probability
-                pv = p * tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        filled = l_i > 0  # a program whose splits are all past the row's end (or before its window)
-        safe_l = tl.where(filled, l_i, 1.0)
-        lse = tl.where(filled, m_i + tl.log(safe_l), float("-inf"))
-        tl.store(OutPart + b * stride_ob + heads[:, None] * stride_oh + z * stride_oz + d[None, :],
-                 acc / safe_l[:, None], mask=gmask[:, None] & filled[:, None])  # the merge skips empties
-        tl.store(LsePart + b * stride_lb + heads * stride_lh + z, lse, mask=gmask)
+        for s in range(s_begin, tl.cdiv(seq_len, SPLIT), programs):
+            # Each split its own softmax, written as its own partial: no
+            # state crosses splits, so the program count never shows.
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, D], tl.float32)
+            for t in tl.range(0, SPLIT // BLOCK_N, num_stages=STAGES):
+                toks = s * SPLIT + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                tmask = (toks < seq_len) & (toks >= lo)
+                block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
+                slots = block * BS + toks % BS
+                offs = slots[:, None] * stride_slot + kv_base + d[None, :]
+                k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
+                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                if QUANT:  # 8-bit codes are exact in float16; a key's scale multiplies its scores
+                    qk = qk * tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
+                qk = tl.where(tmask[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                # A tile wholly past the row or before the window (m_new still -inf) adds nothing.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(qk - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
+                pv = p
+                if QUANT:  # ... and a value's scale its probability
+                    pv = p * tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_T), v, input_precision=PRECISION)
+                m_i = m_new
+            # A split in [lo // SPLIT, cdiv(seq_len, SPLIT)) holds a key: l_i > 0.
+            tl.store(OutPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
+                     acc / l_i[:, None], mask=gmask[:, None])
+            tl.store(LsePart + b * stride_lb + heads * stride_lh + s, m_i + tl.log(l_i), mask=gmask)
 
     @triton.jit
     def _decode_merge_kernel(
-        OutPart, LsePart, Out,
-        stride_pb, stride_ph, stride_pz, stride_lb, stride_lh, stride_ob, stride_oh,
-        D: tl.constexpr, PROGRAMS: tl.constexpr,
+        OutPart, LsePart, Out, SeqLens,
+        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, window,
+        D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
     ):
+        """A row's split partials, merged in split order, CHUNK at a time."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        z = tl.arange(0, PROGRAMS)
+        seq_len = tl.load(SeqLens + b)
+        first = tl.maximum(seq_len - window, 0) // SPLIT
         d = tl.arange(0, D)
-        lse = tl.load(LsePart + b * stride_lb + h * stride_lh + z)  # >= 1 finite: a row has a key
-        filled = lse > float("-inf")  # an empty program wrote no partial: not read
-        part = tl.load(OutPart + b * stride_pb + h * stride_ph + z[:, None] * stride_pz + d[None, :],
-                       mask=filled[:, None], other=0.0)
-        w = tl.exp(lse - tl.max(lse, 0))  # empty programs: exp(-inf) = 0
-        out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
+        m = tl.full([1], float("-inf"), tl.float32)
+        total = tl.zeros([1], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for c in range(first, tl.cdiv(seq_len, SPLIT), CHUNK):
+            splits = c + tl.arange(0, CHUNK)
+            smask = splits < tl.cdiv(seq_len, SPLIT)
+            lse = tl.load(LsePart + b * stride_lb + h * stride_lh + splits, mask=smask, other=float("-inf"))
+            part = tl.load(OutPart + b * stride_pb + h * stride_ph + splits[:, None] * stride_ps + d[None, :],
+                           mask=smask[:, None], other=0.0)
+            m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the first chunk holds a split
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse - m_new)
+            total = total * alpha + tl.sum(w, 0)
+            acc = acc * alpha + tl.sum(part * w[:, None], 0)
+            m = m_new
+        tl.store(Out + b * stride_ob + h * stride_oh + d, (acc / total).to(Out.dtype.element_ty))
 
 
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -240,6 +253,14 @@ def _window(window: int | None) -> int:
     return window if window is not None else NO_WINDOW
 
 
+def decode_programs(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Programs per (row, KV head): enough that the grid is about PROGRAMS_PER_SM
+    programs per SM (a row's splits are shared out), at most MAX_PROGRAMS.
+    Any count gives the same result (each split is its own partial)."""
+    want = -(-PROGRAMS_PER_SM * _sm_count(device) // (batch * kv_heads))
+    return max(1, min(MAX_PROGRAMS, triton.next_power_of_2(want)))
+
+
 def paged_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -249,6 +270,7 @@ def paged_decode(
     scale: float,
     window: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row over its paged keys: ``q`` ``[B, H_q,
     D]``, ``block_tables`` ``[B, W]``, ``seq_lens`` ``[B]`` (keys per row, the
@@ -256,33 +278,36 @@ def paged_decode(
     pools hold 8-bit codes, read as float16 (exactly: int8 and e4m3 codes
     fit it; a float32 query keeps float32); a token's scale multiplies its
     scores (keys) and its probability (values) in float32, so no element is
-    multiplied or rounded on its own. The launch's shape
-    depends on ``B`` and the heads only, never on lengths: a CUDA graph
-    captured once serves every length."""
+    multiplied or rounded on its own. ``programs`` per (row, KV head):
+    ``decode_programs`` unless given (tests); it changes the speed only.
+    The launch's shape depends on ``B``, the heads and the table width
+    ``W``, never on lengths: a CUDA graph captured once serves every length."""
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_pool.shape
     G = Hq // Hkv
-    part = torch.empty((B, Hq, PROGRAMS, D), dtype=torch.float32, device=q.device)
-    lse = torch.empty((B, Hq, PROGRAMS), dtype=torch.float32, device=q.device)
+    splits = triton.cdiv(block_tables.shape[1] * BS, SPLIT)  # the most a row of this table can have
+    part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     if B == 0:
         return out
+    programs = programs or decode_programs(B, Hkv, q.device)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
-    _decode_split_kernel[(B, Hkv, PROGRAMS)](
+    _decode_split_kernel[(B, Hkv, programs)](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), Hkv,
-        scale, _window(window),
-        G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT, PROGRAMS=PROGRAMS,
+        scale, _window(window), programs,
+        G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT,
         BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
-        STAGES=STAGES if B * Hkv * PROGRAMS < 2 * _sm_count(q.device) else STAGES_BUSY,
+        STAGES=STAGES if B * Hkv < _sm_count(q.device) else STAGES_BUSY,
         F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, num_warps=WARPS,
     )
     _decode_merge_kernel[(B, Hq)](
-        part, lse, out,
+        part, lse, out, seq_lens,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), D=D, PROGRAMS=PROGRAMS,
+        out.stride(0), out.stride(1), _window(window), D=D, SPLIT=SPLIT, CHUNK=MERGE_CHUNK,
     )
     return out
 

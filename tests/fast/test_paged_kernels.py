@@ -73,18 +73,23 @@ def test_decode_sliding_window_skips_old_keys(window):
     assert rel_err(out[:2], full[:2]) > 1e-2  # the window really changed the long rows
 
 
-def test_decode_row_ignores_neighbours_and_table_width():
-    """A row's bits do not depend on who shares its batch, nor on how wide
-    the block table is padded (a CUDA graph pads it to the longest context)."""
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_row_ignores_neighbours_table_width_and_program_count(window):
+    """A row's bits do not depend on who shares its batch, on how wide the
+    block table is padded (a CUDA graph pads it to the longest context), nor
+    on how many programs share its splits (that follows the batch size)."""
     q, k_pool, v_pool, tables, seq_lens = paged_inputs([4200, 20, 333], 16, 8, 2, 64, torch.float32, seed=3)
-    together = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125)
+    together = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, window)
     wide = torch.cat([tables, torch.full((3, 500), -1, device=tables.device)], dim=1)
-    padded = pa.paged_decode(q, k_pool, v_pool, wide, seq_lens, 0.125)
-    alone = pa.paged_decode(q[2:], k_pool, v_pool, tables[2:, :21], seq_lens[2:], 0.125)
-    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)
-    assert rel_err(together, ref) < 1e-5  # 33 splits: programs take two or three each
+    padded = pa.paged_decode(q, k_pool, v_pool, wide, seq_lens, 0.125, window)
+    alone = pa.paged_decode(q[2:], k_pool, v_pool, tables[2:, :21], seq_lens[2:], 0.125, window)
+    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window)
+    assert rel_err(together, ref) < 1e-5  # 17 splits for the long row
     assert torch.equal(together, padded)
     assert torch.equal(together[2:], alone)
+    for programs in (1, 3, 16):  # a program takes 17, 5-6 or 1-2 of the long row's splits
+        assert torch.equal(pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, window,
+                                           programs=programs), together)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
