@@ -123,12 +123,17 @@ def test_memory_rows_with_kv_quant_admit_more_at_the_same_budget(tiny, capsys):
     assert quant["peak_kv_bytes_allocated"] <= quant["kv_budget_bytes"]
 
 
-def test_throughput_rows_with_kv_quant(tiny, capsys):
-    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu",
-            "--num-prompts", "4", "--min-len", "4", "--max-len", "12", "--paged-kv", "--kv-quant", "fp8",
-            "--stores", "paged", "--kv-budget-bytes", "8M", "--json"]
+def _paged_throughput_rows(tiny, capsys, *flags) -> list[dict]:
+    """`bench throughput` of 4 short prompts on the paged store only, plus ``flags``."""
+    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu", "--num-prompts", "4",
+            "--min-len", "4", "--max-len", "12", "--paged-kv", "--stores", "paged", "--kv-budget-bytes", "8M",
+            "--json", *flags]
     assert main(argv) == 0
-    rows = _rows(capsys)
+    return _rows(capsys)
+
+
+def test_throughput_rows_with_kv_quant(tiny, capsys):
+    rows = _paged_throughput_rows(tiny, capsys, "--kv-quant", "fp8")
     assert [(r["name"], r["kv_quant"]) for r in rows] == [("pagedlm-paged", "none"), ("pagedlm-paged-fp8", "fp8")]
     quant = rows[1]
     assert quant["output_tokens"] == quant["requested_output_tokens"] and quant["ratio_vs_paged"] > 0
@@ -136,15 +141,20 @@ def test_throughput_rows_with_kv_quant(tiny, capsys):
     assert quant["kv_capacity_bytes"] <= 8 * 2**20
 
 
-def test_decode_rows_with_kv_quant(tiny, capsys):
+@pytest.mark.parametrize("flag, value, last", [
+    ("--kv-quant", "int8", ("pagedlm-paged-int8", True, "int8", "none")),
+    ("--quantization", "int4", ("pagedlm-int4", True, "none", "int4")),  # quantized weights: the paged store too
+])
+def test_decode_rows_with_a_quantized_mode(tiny, capsys, flag, value, last):
     argv = ["bench", "decode", "--model", tiny, "--random-weights", "--device", "cpu", "--prompt-len", "40",
-            "--gen-len", "3", "--repeats", "1", "--paged-kv", "--kv-quant", "int8", "--kv-budget-bytes", "8M",
-            "--json"]
+            "--gen-len", "3", "--repeats", "1", "--paged-kv", flag, value, "--kv-budget-bytes", "8M", "--json"]
     assert main(argv) == 0
     rows = _rows(capsys)
-    assert [(r["name"], r["paged_kv"], r["kv_quant"]) for r in rows] == [
-        ("pagedlm-default", False, "none"), ("pagedlm-paged", True, "none"), ("pagedlm-paged-int8", True, "int8")]
+    assert [(r["name"], r["paged_kv"], r["kv_quant"], r["quantization"]) for r in rows] == [
+        ("pagedlm-default", False, "none", "none"), ("pagedlm-paged", True, "none", "none"), last]
     assert rows[2]["decode_ratio_vs_default"] > 0 and rows[2]["block_size"] == 16
+    # repeats send one prompt: with prefix caching "prefill" would time a hit
+    assert [r["prefix_caching"] for r in rows] == [None, False, False]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -186,18 +196,6 @@ def test_prefix_json_rows(tiny, capsys):
     assert chat_on[0] == 25 and all(n < 5 + 4 + 16 for n in chat_on[1:])
 
 
-def test_quantized_decode_row_runs_on_the_paged_store(tiny, capsys):
-    argv = ["bench", "decode", "--model", tiny, "--random-weights", "--device", "cpu", "--prompt-len", "40",
-            "--gen-len", "3", "--repeats", "1", "--paged-kv", "--quantization", "int4", "--kv-budget-bytes", "8M",
-            "--json"]
-    assert main(argv) == 0
-    rows = _rows(capsys)
-    assert [(r["name"], r["paged_kv"], r["quantization"]) for r in rows] == [
-        ("pagedlm-default", False, "none"), ("pagedlm-paged", True, "none"), ("pagedlm-int4", True, "int4")]
-    # repeats send one prompt: with prefix caching "prefill" would time a hit
-    assert [r["prefix_caching"] for r in rows] == [None, False, False]
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_decode_step_bytes_are_what_the_products_read(tiny, tied, tmp_path):
     """Weights a batch-1 step reads: every float weight, except an untied
@@ -220,11 +218,7 @@ def test_decode_step_bytes_are_what_the_products_read(tiny, tied, tmp_path):
 
 
 def test_throughput_quantized_row_beside_its_float_store(tiny, capsys):
-    argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu",
-            "--num-prompts", "4", "--min-len", "4", "--max-len", "12", "--paged-kv", "--quantization", "int8",
-            "--stores", "paged", "--kv-budget-bytes", "8M", "--json"]
-    assert main(argv) == 0
-    rows = _rows(capsys)
+    rows = _paged_throughput_rows(tiny, capsys, "--quantization", "int8")
     assert [(r["name"], r["store"], r["quantization"]) for r in rows] == [
         ("pagedlm-paged", "paged", "none"), ("pagedlm-int8", "paged", "int8")]
     assert rows[1]["output_tokens"] == rows[1]["requested_output_tokens"] and rows[1]["ratio_vs_unquantized"] > 0
