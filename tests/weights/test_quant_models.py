@@ -1,33 +1,51 @@
-"""Weight-only quantization on a real model: int8 greedy tokens equal none's
-on a short prompt (a smoke test of the whole path: cache conversion, tied
-head, embedding lookup). Perplexity figures: `pagedlm bench ppl`."""
+"""Weight-only quantization on a real model: the whole path (cache
+conversion, tied head, embedding lookup) against the float model, teacher
+forced along the float model's own greedy text. Perplexity figures:
+`pagedlm bench ppl`."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+
 from pagedlm.batch.solo import Solo
 from pagedlm.loading import load
 from pagedlm.loading.catalog import BUILTINS
 
 pytestmark = pytest.mark.weights
 
+# torch's weight-only kernels return bfloat16, so a quantized head's logits
+# are bfloat16 values (a step of 0.125 at 20-30): two candidates closer than
+# that can tie and swap. 0.25 nats is two such steps.
+NEAR_TIE = 0.25
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    """Greedy continuation, one sequence through `Solo` (prompt, then a token a call)."""
+
+def _forced_top2(model, ids: list[int], follow: list[int]) -> list[tuple[int, float]]:
+    """Fed ``ids`` then ``follow`` one token at a time: at each step the
+    argmax and the log-probability margin between the two best tokens."""
     solo = Solo(model)
     logits = solo(ids)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = solo([out[-1]])[-1]
-    return out
+    steps = []
+    for token in follow:
+        top = torch.log_softmax(logits.float(), -1).topk(2)
+        steps.append((int(top.indices[0]), float(top.values[0] - top.values[1])))
+        logits = solo([token])[-1]
+    return steps
 
 
-def test_int8_greedy_tokens_match_none_on_smollm2():
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_smollm2_agrees_with_float_except_at_near_ties(mode):
     if BUILTINS["smollm2-135m-instruct"].locate() is None:
         pytest.skip(BUILTINS["smollm2-135m-instruct"].install)
     model, tok = load("smollm2-135m-instruct")
     ids = tok.encode("The capital of France is")
-    expected = _greedy(model, ids, 8)
-    qmodel, _ = load("smollm2-135m-instruct", quantization="int8")
-    assert _greedy(qmodel, ids, 8) == expected
+    solo, text = Solo(model), []
+    logits = solo(ids)[-1]
+    for _ in range(48):  # the float model's greedy continuation
+        text.append(int(logits.argmax()))
+        logits = solo([text[-1]])[-1]
+    want = _forced_top2(model, ids, text)
+    got = _forced_top2(load("smollm2-135m-instruct", quantization=mode)[0], ids, text)
+    differ = [(i, margin) for i, ((a, margin), (b, _)) in enumerate(zip(want, got)) if a != b]
+    assert len(differ) <= len(text) // 10, differ
+    assert all(margin < NEAR_TIE for _, margin in differ), differ
