@@ -89,3 +89,23 @@ def test_write_kv_quantizes_as_the_reference_full_size(mode):
         codes, s = kvq.quantize(x, mode)
         assert torch.equal(scale.view(-1, 8)[slots], s)
         assert torch.equal(kvq.as_bytes(pool).view(-1, 8, 128)[slots], kvq.as_bytes(codes))
+
+
+@pytest.mark.parametrize("mode", ["none", "fp8"])
+def test_decode_row_is_the_same_alone_and_in_a_full_batch(mode):
+    """Alone, a 9,000-token row gets many programs and 3 pipeline stages; in
+    a batch of 40 rows it gets one program and 2 stages. Its bits must not
+    move (each split is its own partial, merged in split order)."""
+    from pagedlm.cache import kv_quant as kvq
+
+    hq, hkv, d, _ = SHAPES["llama-8b"]
+    lengths = [9000] + [700 + 37 * i for i in range(39)]
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, hq, hkv, d, torch.bfloat16)
+    scales = None
+    if mode != "none":
+        (k_pool, ks), (v_pool, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
+        scales = (ks, vs)
+    batch = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5, scales=scales)
+    alone = pa.paged_decode(q[:1], k_pool, v_pool, tables[:1], seq_lens[:1], d**-0.5, scales=scales)
+    assert pa.decode_programs(1, hkv, q.device) > pa.decode_programs(40, hkv, q.device)
+    assert torch.equal(batch[:1], alone)
