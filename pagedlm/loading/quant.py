@@ -4,8 +4,8 @@ A model folder's float weights are quantized once (``kernels.quant``) into
 ``$PAGEDLM_CACHE_DIR/quantized/<key>/<mode>-g<group>-v<version>.safetensors``
 (``key``: a hash of the folder's path and its weight files' names, sizes and
 mtimes). The conversion reads one layer's tensors at a time and the load one
-module's, so neither ever holds the float model: a GGUF Q4 8B model that is
-32 GB in float32 loads in about its own size.
+module's, so neither ever holds the float model: an 8B Q4 GGUF, whose float32
+shards take 30 GB of disk, loads in 8 GB of memory (``benchmarks/RESULTS.md``).
 
 Which weights are quantized is the model's business, not this file's: every
 ``models.layers.Linear`` and ``Embedding`` (so the tied output head too);
