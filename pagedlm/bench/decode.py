@@ -182,16 +182,13 @@ def bytes_per_decode_step(model, context: int) -> int:
     from ..models.layers import Embedding
 
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
-    skip = set()  # storages no product reads
-    def storages(tensors) -> set[int]:
-        return {t.untyped_storage().data_ptr() for t in tensors}
-
+    seen = set()  # storages counted, or that no product reads
     for m in model.modules():
         if isinstance(m, Embedding):
             held = [m.weight] if m.quant is None else list(m.quant.buffers())
             read = ([m.weight] if m.quant is None else m.quant.linear_buffers()) if tied else []
-            skip |= storages(held) - storages(read)
-    seen, weights = set(skip), 0
+            seen |= _storages(held) - _storages(read)
+    weights = 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
@@ -200,6 +197,10 @@ def bytes_per_decode_step(model, context: int) -> int:
     elem = next(model.parameters()).element_size()  # the model dtype (norms stay float when quantized)
     per_token = [2 * sp.num_kv_heads * sp.head_dim * elem for sp in specs]
     return weights + kv_bytes(specs, per_token, [context])
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
 
 
 def gguf_path(spec: str):

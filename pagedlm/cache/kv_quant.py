@@ -23,9 +23,9 @@ scales would give 1.88x there). ``q`` is computed against the stored
 (rounded) scale and clamped, so the bfloat16 rounding of the scale costs no
 accuracy: for int8 ``|x - q * scale| <= scale / 2`` holds exactly.
 
-Payloads move as bytes (``uint8`` views): the CPU's ``index_copy_`` has no
-float8 kernel, and a byte copy is the same on every device and either
-format.
+Payloads move as bytes (``uint8`` views): torch's ``index_copy_`` has no
+float8 kernel on the CPU or on CUDA, and a byte copy is the same on every
+device and either format.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
 
 from conftest import tiny_model, tiny_tokenizer
 from test_server_app import make_app
@@ -17,7 +16,8 @@ APP, _ = make_app(tiny_model(_tokenizer.vocab_size), _tokenizer, max_model_len=6
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
-def openai_shaped_errors(ctx, response, case):
+def assert_openai_shaped_error(response) -> None:
+    """An error (4xx; 499 is a client that left) carries OpenAI's body."""
     if response.status_code >= 400 and response.status_code != 499:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
@@ -28,5 +28,5 @@ def openai_shaped_errors(ctx, response, case):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_input_the_schema_allows_gets_a_5xx_or_a_non_openai_error(case):
     response = case.call()
-    # Raises (a failure listing the broken checks) on a 5xx or a non-OpenAI error body.
-    case.validate_response(response, checks=[not_a_server_error, openai_shaped_errors])
+    assert response.status_code < 500, (case.method, case.path, response.status_code, response.text[:300])
+    assert_openai_shaped_error(response)
