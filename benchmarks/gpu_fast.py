@@ -29,6 +29,7 @@ SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m
 TUNABLE = ("SPLIT", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "BLOCK_N_8BIT", "STAGES", "STAGES_BUSY", "WARPS")  # --set NAME=VALUE overrides (a sweep)
 
 
+TOKEN_MAJOR = "-token-major"  # --kv fp8-token-major: 8-bit pools in the bf16 pools' layout
 L2_PASS_BYTES = 512 << 20  # pools streamed per timed pass: ten times the H200's L2
 CASES = ((1, 512), (1, 4096), (1, 32768), (8, 4096), (64, 2048), (256, 1024))
 
@@ -56,8 +57,13 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                     v_pool = torch.randn_like(k_pool)
                     if fmt == "none":
                         pools, scales = (k_pool, v_pool), None
+                    elif fmt.endswith(TOKEN_MAJOR):  # the 8-bit layout before head-major pools, for comparison
+                        mode = fmt.removesuffix(TOKEN_MAJOR)
+                        (kq, ks), (vq, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
+                        pools, scales = (kq, vq), (ks, vs)
                     else:
-                        (kq, ks), (vq, vs) = kvq.quantize(k_pool, fmt), kvq.quantize(v_pool, fmt)
+                        (kq, ks), (vq, vs) = (kvq.quantize_pool(k_pool, fmt, kvq.KEY_ORDER),
+                                              kvq.quantize_pool(v_pool, fmt, kvq.VALUE_ORDER))
                         pools, scales = (kq, vq), (ks, vs)
                     del k_pool, v_pool
                     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row)
@@ -125,7 +131,8 @@ def main() -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["kernel", "curve"])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768 (default: CASES)")
-    p.add_argument("--kv", nargs="*", default=["none"], choices=kvq.KV_QUANT_MODES, help="KV formats of the kernel rows")
+    p.add_argument("--kv", nargs="*", default=["none"], help="KV formats of the kernel rows",
+                   choices=[*kvq.KV_QUANT_MODES, *(m + TOKEN_MAJOR for m in kvq.QMAX)])
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")
     args = p.parse_args()
     for item in args.set:
@@ -150,7 +157,7 @@ def main() -> int:
     print("\ncopy bandwidth %.0f GB/s" % (bandwidth / 1e9))
     for r in rows:
         if r["kind"] == "kernel":
-            print(f"kernel {r['shape']:14s} {r['kv']:4s} B={r['batch']:3d} ctx={r['context']:6d} {r['ms']:8.4f} ms "
+            print(f"kernel {r['shape']:14s} {r['kv']:16s} B={r['batch']:3d} ctx={r['context']:6d} {r['ms']:8.4f} ms "
                   f"{r['gb_s']:7.0f} GB/s ({100 * r['fraction_of_copy']:.0f}% of copy)")
         else:
             print(f"curve B={r['batch']:3d} default {r['default_tok_s']:9.1f} tok/s  fused "

@@ -23,7 +23,7 @@ if [ "${PART:-1}" = 1 ]; then
   for variant in "${variants[@]}"; do
     sets=(); [ "$variant" = as-is ] || sets=(--set $variant)
     timeout 100 python3 benchmarks/gpu_fast.py --skip curve --shapes llama-3.1-8b \
-      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv none fp8 int8 "${sets[@]}" 2>&1 \
+      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv ${KV_FORMATS:-none fp8 int8} "${sets[@]}" 2>&1 \
       | grep '^kernel\|^copy\|Error' | sed "s/^/[$variant] /" | tee -a "$OUT/kernel_sweep.txt"
   done
   timeout "${KV_TIMEOUT:-150}" python3 -m pagedlm.cli bench decode --random-weights --model $M/llama-3.1-8b \

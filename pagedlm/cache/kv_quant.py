@@ -8,7 +8,18 @@ unquantized pool and one scale per token and KV head:
 - ``k_scale``, ``v_scale``: ``[num_blocks, block_size, H_kv]``, bfloat16;
 
 so a slot (block * block_size + offset) indexes both, and block tables,
-slot mappings, admission and preemption are unchanged. Symmetric, no zero
+slot mappings, admission and preemption are unchanged. Those are the
+logical shapes; in memory the three are head-major (``zeros``, ``stored``):
+keys ``[num_blocks, H_kv, block_size, D]``, values ``[num_blocks, H_kv, D,
+block_size]`` and scales ``[num_blocks, H_kv, block_size]``, each viewed back
+in the logical order. Why: the decode kernel's products sum over ``D`` for
+keys and over tokens for values, and the tensor cores' shared-memory loads
+transpose 16-bit elements but not bytes; token-major 8-bit values cost one
+shared-memory load per byte and made 8-bit tiles slower to read than
+bfloat16 ones (``docs/design/kv-quant.md``). Head-major, a block of one KV
+head is one contiguous run, and its values, tokens innermost, load as
+16-byte rows.
+Symmetric, no zero
 point: ``x ~= q * scale`` with ``scale = max|x| / QMAX`` over the token's
 ``D`` values of one KV head (``QMAX`` = 127 for int8, 448 for e4m3).
 
@@ -36,6 +47,10 @@ KV_QUANT_MODES = ("none", "int8", "fp8")
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # e4m3fn's largest finite value is 448
 SCALE_DTYPE = torch.bfloat16
+# Memory orders (logical dims, outermost first) of a pool's 8-bit payloads and scales.
+KEY_ORDER = (0, 2, 1, 3)  # [blocks, H_kv, block_size, D]
+VALUE_ORDER = (0, 2, 3, 1)  # [blocks, H_kv, D, block_size]: tokens innermost
+SCALE_ORDER = (0, 2, 1)  # [blocks, H_kv, block_size]
 
 
 def head_bytes(head_dim: int, dtype: torch.dtype, mode: str) -> int:
@@ -75,3 +90,25 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's storage as ``uint8`` (a view: no copy; a wider dtype's
     last dimension grows by its size)."""
     return t.view(torch.uint8)
+
+
+def zeros(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor of logical ``shape`` whose memory runs in ``order``."""
+    return torch.zeros([shape[i] for i in order], dtype=dtype, device=device).permute(_inverse(order))
+
+
+def stored(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s values copied into memory running in ``order``, viewed in ``t``'s logical order."""
+    return t.permute(order).contiguous().permute(_inverse(order))
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
+def quantize_pool(pool: torch.Tensor, mode: str, order: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole ``[blocks, block_size, H_kv, D]`` pool quantized and laid out as
+    ``PagedPools`` lays it (``order``: ``KEY_ORDER`` or ``VALUE_ORDER``):
+    codes and scales, for benchmarks and tests that build pools directly."""
+    q, s = quantize(pool, mode)
+    return stored(q, order), stored(s, SCALE_ORDER)

@@ -24,8 +24,10 @@ bits.
 With ``kv_quant`` (``int8`` or ``fp8``) the pools hold 8-bit codes plus one
 scale per token and KV head (``k_scale``, ``v_scale``: ``[num_blocks,
 block_size, H_kv]``, the same slots): ``write`` quantizes before its copy and
-``gather`` dequantizes what it gathered to ``dtype``. The math and the
-formats are in ``cache.kv_quant``.
+``gather`` dequantizes what it gathered to ``dtype``. Their shapes are the
+same, but their memory is head-major (values tokens innermost), so writes
+index by (block, offset) instead of flat slots. The math, the formats and
+the layout are in ``cache.kv_quant``.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ class PagedPools:
         # and 0 times a finite value adds nothing, but 0 * NaN (uninitialized
         # memory) would poison the row. Written slots hold finite keys.
         store = kvq.storage_dtype(kv_quant, dtype)
-        self.k = {i: torch.zeros(shape, dtype=store, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=store, device=device) for i in layers}
+        quantized = kv_quant != "none"
+        k_order, v_order = (kvq.KEY_ORDER, kvq.VALUE_ORDER) if quantized else ((0, 1, 2, 3),) * 2
+        self.k = {i: kvq.zeros(shape, k_order, store, device) for i in layers}
+        self.v = {i: kvq.zeros(shape, v_order, store, device) for i in layers}
         # Empty unless quantized; zero scales dequantize unwritten slots to 0.
-        quantized = layers if kv_quant != "none" else []
-        self.k_scale = {i: torch.zeros(shape[:-1], dtype=kvq.SCALE_DTYPE, device=device) for i in quantized}
-        self.v_scale = {i: torch.zeros(shape[:-1], dtype=kvq.SCALE_DTYPE, device=device) for i in quantized}
+        scaled = layers if quantized else []
+        self.k_scale = {i: kvq.zeros(shape[:-1], kvq.SCALE_ORDER, kvq.SCALE_DTYPE, device) for i in scaled}
+        self.v_scale = {i: kvq.zeros(shape[:-1], kvq.SCALE_ORDER, kvq.SCALE_DTYPE, device) for i in scaled}
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -98,8 +102,9 @@ class PagedPools:
             pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x)
             return
         q, s = kvq.quantize(x, self.kv_quant)
-        kvq.as_bytes(pool).view(-1, *pool.shape[2:]).index_copy_(0, slots, kvq.as_bytes(q))
-        scales.view(-1, scales.shape[-1]).index_copy_(0, slots, s)
+        at = (slots // self.block_size, slots % self.block_size)  # head-major memory has no flat slot axis
+        kvq.as_bytes(pool).index_put_(at, kvq.as_bytes(q))
+        scales.index_put_(at, s)
 
     def gather(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows' keys/values, ``[rows, length, H_kv, D]``, contiguous: each row's
@@ -119,8 +124,8 @@ class PagedPools:
               length: int) -> torch.Tensor:
         if scales is None:
             return pool.index_select(0, table).view(rows, -1, *pool.shape[2:])[:, :length].contiguous()
-        q = kvq.as_bytes(pool).index_select(0, table).view(pool.dtype).view(rows, -1, *pool.shape[2:])
-        s = scales.index_select(0, table).view(rows, -1, scales.shape[-1])
+        q = kvq.as_bytes(pool).index_select(0, table).view(pool.dtype).reshape(rows, -1, *pool.shape[2:])
+        s = scales.index_select(0, table).reshape(rows, -1, scales.shape[-1])
         return kvq.dequantize(q[:, :length], s[:, :length], self.dtype)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -131,5 +136,5 @@ class PagedPools:
         d = s.new_tensor(dst)
         for pools in (self.k, self.v, self.k_scale, self.v_scale):
             for pool in pools.values():
-                raw = kvq.as_bytes(pool)  # index_copy_ has no float8 kernels; bytes copy any dtype
+                raw = kvq.as_bytes(pool) if pool.element_size() == 1 else pool  # index_copy_ has no float8 kernels
                 raw.index_copy_(0, d, raw.index_select(0, s))

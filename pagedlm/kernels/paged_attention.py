@@ -4,9 +4,11 @@
     paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale)  # one query per row
 
 The pools are ``[num_blocks, block_size, H_kv, D]`` (``cache.paged``); a
-row's token ``j`` lives at slot ``table[j // block_size] * block_size + j %
-block_size``. The kernels compute that address per token, so the block size
-only changes where rows come from, never the tiling.
+row's token ``j`` lives at block ``table[j // block_size]``, offset ``j %
+block_size``. The kernels compute that address per token from the pools'
+element strides, so the block size only changes where rows come from, never
+the tiling, and one kernel reads token-major pools (bf16) and head-major
+ones (8-bit, values tokens innermost: ``cache.kv_quant``) alike.
 
 Decode is split-K ("flash-decoding"): a row's keys are cut into splits of
 ``SPLIT`` tokens at fixed boundaries (0, SPLIT, 2*SPLIT, ...), and each
@@ -70,16 +72,22 @@ def available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _write_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v, stride_slot,
-                         H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, QMAX: tl.constexpr):
+    def _write_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v,
+                         sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+                         H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, H_PAD: tl.constexpr, QMAX: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(Slots + t).to(tl.int64)
         if slot >= 0:  # -1: a padded row under a CUDA graph writes nothing
+            block, off = slot // BS, slot % BS
             h = tl.arange(0, H_PAD)
-            offs = h[:, None] * D + tl.arange(0, D)[None, :]
+            d = tl.arange(0, D)
+            src = h[:, None] * D + d[None, :]
             hm = h < H
-            _write_rows(K + t * stride_k + offs, KPool + slot * stride_slot + offs, KScale + slot * H + h, hm, QMAX)
-            _write_rows(V + t * stride_v + offs, VPool + slot * stride_slot + offs, VScale + slot * H + h, hm, QMAX)
+            s_at = block * ss_block + off * ss_tok + h * ss_head
+            k_at = block * sk_block + off * sk_tok + h[:, None] * sk_head + d[None, :] * sk_dim
+            v_at = block * sv_block + off * sv_tok + h[:, None] * sv_head + d[None, :] * sv_dim
+            _write_rows(K + t * stride_k + src, KPool + k_at, KScale + s_at, hm, QMAX)
+            _write_rows(V + t * stride_v + src, VPool + v_at, VScale + s_at, hm, QMAX)
 
     @triton.jit
     def _to_bfloat16(x):
@@ -115,12 +123,13 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(
         Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart,
-        stride_qb, stride_qh, stride_slot, stride_kh, stride_tb,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_scale_slot,
+        stride_qb, stride_qh, stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
         scale, window, programs,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr, F16_SHIFT: tl.constexpr,
+        RUN: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -142,7 +151,6 @@ if triton is not None:
         if F16_DOT:
             q = (q.to(tl.float32) * (1.0 / F16_SHIFT)).to(tl.float16)
             scale = scale * F16_SHIFT
-        kv_base = kvh * stride_kh
         for s in range(s_begin, tl.cdiv(seq_len, SPLIT), programs):
             # Each split its own softmax, written as its own partial: no
             # state crosses splits, so the program count never shows.
@@ -152,13 +160,27 @@ if triton is not None:
             for t in tl.range(0, SPLIT // BLOCK_N, num_stages=STAGES):
                 toks = s * SPLIT + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 tmask = (toks < seq_len) & (toks >= lo)
-                block = tl.load(Tables + b * stride_tb + toks // BS, mask=tmask, other=0).to(tl.int64)
-                slots = block * BS + toks % BS
-                offs = slots[:, None] * stride_slot + kv_base + d[None, :]
-                k = tl.load(KPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
+                # Loads are masked by whole blocks (a block holding any key of
+                # the row is read whole; its other slots hold finite values
+                # whose scores are masked), so a block's run of slots stays
+                # one wide load.
+                first = (toks // BS) * BS
+                bmask = (first < seq_len) & (first + BS > lo)
+                block = tl.load(Tables + b * stride_tb + toks // BS, mask=bmask, other=0).to(tl.int64)
+                off = toks % BS
+                # Element strides, so one kernel reads either layout (token-major, or 8-bit head-major).
+                k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
+                v_rows = block * sv_block + off * sv_tok + kvh * sv_head
+                if RUN > 1:  # a block's tokens lie next to each other (sv_tok == 1): say so, for wide loads
+                    v_rows = tl.max_contiguous(tl.multiple_of(v_rows, RUN), RUN)
+                v_at = v_rows[:, None] + d[None, :] * sv_dim
+                k = tl.load(KPool + k_at, mask=bmask[:, None], other=0.0).to(DOT_T)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if QUANT:  # 8-bit codes are exact in float16; a key's scale multiplies its scores
-                    qk = qk * tl.load(KScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
+                    s_at = block * ss_block + off * ss_tok + kvh * ss_head
+                    if RUN > 1:
+                        s_at = tl.max_contiguous(tl.multiple_of(s_at, RUN), RUN)
+                    qk = qk * tl.load(KScale + s_at, mask=bmask, other=0.0).to(tl.float32)
                 qk = tl.where(tmask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 # A tile wholly past the row or before the window (m_new still -inf) adds nothing.
@@ -166,10 +188,10 @@ if triton is not None:
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(qk - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(VPool + offs, mask=tmask[:, None], other=0.0).to(DOT_T)
+                v = tl.load(VPool + v_at, mask=bmask[:, None], other=0.0).to(DOT_T)
                 pv = p
                 if QUANT:  # ... and a value's scale its probability
-                    pv = p * tl.load(VScale + slots * stride_scale_slot + kvh, mask=tmask, other=0.0).to(tl.float32)
+                    pv = p * tl.load(VScale + s_at, mask=bmask, other=0.0).to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_T), v, input_precision=PRECISION)
                 m_i = m_new
             # A split in [lo // SPLIT, cdiv(seq_len, SPLIT)) holds a key: l_i > 0.
@@ -221,8 +243,17 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_p
     keys, values = _rows_flat(keys), _rows_flat(values)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, k_scale, v_scale, slot_mapping,
-                           keys.stride(0), values.stride(0), k_pool.stride(1),
-                           H=H, D=D, H_PAD=triton.next_power_of_2(H), QMAX=float(qmax if scales is not None else 0.0))
+                           keys.stride(0), values.stride(0), *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
+                           H=H, D=D, BS=k_pool.shape[1], H_PAD=triton.next_power_of_2(H),
+                           QMAX=float(qmax if scales is not None else 0.0))
+
+
+def _scale_strides(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int]:
+    """The scales' element strides (keys' and values' scales are laid out alike)."""
+    if scales is None:
+        return (0, 0, 0)
+    assert scales[0].stride() == scales[1].stride(), "key and value scales share a layout"
+    return scales[0].stride()
 
 
 def write_kv_reference(keys, values, k_pool, v_pool, slot_mapping) -> None:
@@ -251,6 +282,20 @@ def _sm_count(device: torch.device) -> int:
 def _window(window: int | None) -> int:
     """The kernels' window: no window is one wider than any sequence."""
     return window if window is not None else NO_WINDOW
+
+
+def _token_run(v_pool: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
+    """How many of a block's tokens the decode kernel may treat as one run of
+    adjacent values (and scales): up to 16 when the values are stored token
+    innermost (``cache.kv_quant``'s 8-bit layout), else 1. Wide runs let the
+    values' tile load as 16-byte rows, asynchronously, and meet the tensor
+    cores untransposed."""
+    tensors = [v_pool, *(scales or ())]
+    if any(t.stride(1) != 1 for t in tensors):
+        return 1
+    run = min(v_pool.shape[1], 16)
+    assert all(t.stride(i) % run == 0 for t in tensors for i in (0, 2) if t.shape[i] > 1), "runs start at multiples of their length"
+    return run
 
 
 def decode_programs(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -295,14 +340,16 @@ def paged_decode(
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     _decode_split_kernel[(B, Hkv, programs)](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
-        q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), Hkv,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
         scale, _window(window), programs,
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT,
         BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
         STAGES=STAGES if B * Hkv < _sm_count(q.device) else STAGES_BUSY,
-        F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, num_warps=WARPS,
+        F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=_token_run(v_pool, scales),
+        num_warps=WARPS,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out, seq_lens,

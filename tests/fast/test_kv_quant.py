@@ -103,6 +103,30 @@ def test_pool_bytes_count_codes_and_scales(mode, head_bytes):
     assert len(p.k_scale) == len(p.v_scale) == (0 if mode == "none" else 3)
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_8bit_pools_are_head_major_and_read_back_what_was_written(mode):
+    """Memory: keys [blocks, H, block_size, D], values [blocks, H, D,
+    block_size], scales [blocks, H, block_size] (what the decode kernel's wide
+    loads need); the logical view and a write then gather are unchanged."""
+    blocks, bs, h, d = 5, 8, 2, 16
+    p = PagedPools([0], blocks, bs, h, d, torch.float32, "cpu", mode)
+    assert p.k[0].shape == p.v[0].shape == (blocks, bs, h, d) and p.k_scale[0].shape == (blocks, bs, h)
+    assert p.k[0].stride() == (h * bs * d, d, bs * d, 1)
+    assert p.v[0].stride() == (h * d * bs, 1, d * bs, bs)
+    assert p.k_scale[0].stride() == p.v_scale[0].stride() == (h * bs, 1, bs)
+    g = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(6, h, d, generator=g), torch.randn(6, h, d, generator=g)
+    slots = torch.tensor([9, 3, 31, 16, 8, 24])
+    p.write(0, keys, values, slots)
+    table = torch.tensor([[1, 0, 3, 2]])  # tokens 0..31 of one row: slots 8..15, 0..7, 24..31, 16..23
+    k, v = p.gather(0, table, 32)
+    row = {9: 1, 3: 8 + 3, 31: 16 + 7, 16: 24, 8: 0, 24: 16}  # slot -> the row's token index
+    for i, s in enumerate(slots.tolist()):
+        for x, got in ((keys, k), (values, v)):
+            want = kvq.dequantize(*kvq.quantize(x[i], mode), torch.float32)
+            assert torch.equal(got[0, row[s]], want), (i, s)
+
+
 def test_int8_holds_at_least_1_9x_the_tokens_of_bfloat16_even_at_head_dim_64():
     for d in (64, 128, 256):
         ratio = kvq.head_bytes(d, torch.bfloat16, "none") / kvq.head_bytes(d, torch.bfloat16, "int8")

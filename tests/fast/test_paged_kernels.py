@@ -146,12 +146,13 @@ def assert_kernels_match_torch_path(model, tok, kv_quant):
 
 def quantized_pools(k_pool, v_pool, mode):
     """8-bit pools and their scales, quantized by the reference
-    (``cache.kv_quant``), and what they dequantize to."""
+    (``cache.kv_quant``) and laid out head-major as ``PagedPools`` lays
+    them, and what they dequantize to."""
     from pagedlm.cache import kv_quant as kvq
 
     out = []
-    for pool in (k_pool, v_pool):
-        codes, scale = kvq.quantize(pool, mode)
+    for pool, order in ((k_pool, kvq.KEY_ORDER), (v_pool, kvq.VALUE_ORDER)):
+        codes, scale = kvq.quantize_pool(pool, mode, order)
         out.append((codes, scale, kvq.dequantize(codes, scale, pool.dtype)))
     return out
 
@@ -169,6 +170,25 @@ def test_decode_reads_int8_blocks_in_registers(block_size, lengths, hq, hkv, d):
     assert 1e-5 < rel_err(out, exact) < 2e-2  # int8 noise, not nothing and not garbage
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_decode_reads_8bit_blocks_the_same_in_either_layout(block_size):
+    """Head-major 8-bit pools (values tokens innermost: the kernel treats a
+    block's tokens as runs of adjacent bytes) and the same codes stored
+    token-major (no runs) give the same bits; a stride or run taken wrongly
+    in either would not. Block 8 makes runs of 8, shorter than the hint's 16."""
+    from pagedlm.cache import kv_quant as kvq
+
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 300, 45], block_size, 8, 2, 64, torch.float32, seed=8)
+    (kc, ks, _), (vc, vs, _) = quantized_pools(k_pool, v_pool, "int8")
+    assert pa._token_run(vc, (ks, vs)) == min(block_size, 16)
+    flat = [t.contiguous() for t in (kc, vc, ks, vs)]
+    assert pa._token_run(flat[1], (flat[2], flat[3])) == 1
+    head_major = pa.paged_decode(q, kc, vc, tables, seq_lens, 0.125, scales=(ks, vs))
+    token_major = pa.paged_decode(q, flat[0], flat[1], tables, seq_lens, 0.125, scales=(flat[2], flat[3]))
+    assert torch.equal(head_major, token_major)
+    assert not head_major.isnan().any()
+
+
 def test_write_kv_quantizes_as_the_reference_does():
     from pagedlm.cache import kv_quant as kvq
 
@@ -178,12 +198,14 @@ def test_write_kv_quantizes_as_the_reference_does():
     values = torch.randn(T, H, D, generator=g).to(DEVICE)
     keys[2] = 0.0  # an all-zero token: scale 1, codes 0
     slots = torch.tensor([3, 17, 40, -1, 0, 63, 20], device=DEVICE)
-    pools = [torch.zeros(blocks, bs, H, D, dtype=torch.int8, device=DEVICE) for _ in range(2)]
-    scales = [torch.zeros(blocks, bs, H, dtype=kvq.SCALE_DTYPE, device=DEVICE) for _ in range(2)]
+    pools = [kvq.zeros((blocks, bs, H, D), order, torch.int8, DEVICE) for order in (kvq.KEY_ORDER, kvq.VALUE_ORDER)]
+    scales = [kvq.zeros((blocks, bs, H), kvq.SCALE_ORDER, kvq.SCALE_DTYPE, DEVICE) for _ in range(2)]
     pa.write_kv(keys, values, pools[0], pools[1], slots, (scales[0], scales[1]), kvq.QMAX["int8"])
     keep = slots >= 0
+    at = (slots[keep] // bs, slots[keep] % bs)
     for x, pool, scale in ((keys, pools[0], scales[0]), (values, pools[1], scales[1])):
         codes, s = kvq.quantize(x[keep], "int8")
-        assert torch.equal(pool.view(-1, H, D)[slots[keep]], codes)
-        assert torch.equal(scale.view(-1, H)[slots[keep]], s)
-    assert pools[0].view(-1, H, D)[40].eq(0).all() and scales[0].view(-1, H)[40].eq(1).all()
+        assert torch.equal(pool[at], codes)
+        assert torch.equal(scale[at], s)
+        assert int(pool.ne(0).sum()) == int(codes.ne(0).sum())  # nothing written anywhere else
+    assert pools[0][2, 8].eq(0).all() and scales[0][2, 8].eq(1).all()  # slot 40: the all-zero token

@@ -318,7 +318,7 @@ def test_copy_blocks_copies_every_layer(kv_quant):
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(kvq.as_bytes(a), kvq.as_bytes(b))  # float8 has no torch.equal
+    return torch.equal(kvq.as_bytes(a.reshape(-1)), kvq.as_bytes(b.reshape(-1)))  # float8 has no torch.equal
 
 
 # -- the invariant after every step --------------------------------------------

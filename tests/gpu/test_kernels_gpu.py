@@ -67,8 +67,10 @@ def test_decode_reads_8bit_blocks_full_size(mode):
 
     hq, hkv, d, _ = SHAPES["llama-8b"]
     q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 513, 8191, 2000], 16, hq, hkv, d, torch.bfloat16)
-    (kc, ks), (vc, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
+    (kc, ks), (vc, vs) = kvq.quantize_pool(k_pool, mode, kvq.KEY_ORDER), kvq.quantize_pool(v_pool, mode, kvq.VALUE_ORDER)
     out = pa.paged_decode(q, kc, vc, tables, seq_lens, d**-0.5, scales=(ks, vs))
+    flat = [t.contiguous() for t in (kc, vc, ks, vs)]  # the same codes token-major: the same bits
+    assert torch.equal(pa.paged_decode(q, flat[0], flat[1], tables, seq_lens, d**-0.5, scales=(flat[2], flat[3])), out)
     ref = pa.paged_decode_reference(q, kvq.dequantize(kc, ks, torch.bfloat16), kvq.dequantize(vc, vs, torch.bfloat16),
                                     tables, seq_lens, d**-0.5)
     assert rel_err(out, ref) < 1e-2
@@ -82,13 +84,14 @@ def test_write_kv_quantizes_as_the_reference_full_size(mode):
     keys = (torch.randn(4096, 8, 128, device="cuda", generator=g) * 3).bfloat16()
     values = torch.randn_like(keys)
     slots = torch.randperm(1024 * 16, device="cuda", generator=g)[:4096]
-    pools = [torch.zeros(1024, 16, 8, 128, dtype=kvq.STORAGE[mode], device="cuda") for _ in range(2)]
-    scales = [torch.zeros(1024, 16, 8, dtype=kvq.SCALE_DTYPE, device="cuda") for _ in range(2)]
+    pools = [kvq.zeros((1024, 16, 8, 128), order, kvq.STORAGE[mode], "cuda") for order in (kvq.KEY_ORDER, kvq.VALUE_ORDER)]
+    scales = [kvq.zeros((1024, 16, 8), kvq.SCALE_ORDER, kvq.SCALE_DTYPE, "cuda") for _ in range(2)]
     pa.write_kv(keys, values, pools[0], pools[1], slots, tuple(scales), kvq.QMAX[mode])
+    at = (slots // 16, slots % 16)
     for x, pool, scale in ((keys, pools[0], scales[0]), (values, pools[1], scales[1])):
         codes, s = kvq.quantize(x, mode)
-        assert torch.equal(scale.view(-1, 8)[slots], s)
-        assert torch.equal(kvq.as_bytes(pool).view(-1, 8, 128)[slots], kvq.as_bytes(codes))
+        assert torch.equal(scale[at], s)
+        assert torch.equal(kvq.as_bytes(pool)[at], kvq.as_bytes(codes))
 
 
 @pytest.mark.parametrize("mode", ["none", "fp8"])
@@ -103,7 +106,8 @@ def test_decode_row_is_the_same_alone_and_in_a_full_batch(mode):
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, hq, hkv, d, torch.bfloat16)
     scales = None
     if mode != "none":
-        (k_pool, ks), (v_pool, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
+        (k_pool, ks), (v_pool, vs) = (kvq.quantize_pool(k_pool, mode, kvq.KEY_ORDER),
+                                      kvq.quantize_pool(v_pool, mode, kvq.VALUE_ORDER))
         scales = (ks, vs)
     batch = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5, scales=scales)
     alone = pa.paged_decode(q[:1], k_pool, v_pool, tables[:1], seq_lens[:1], d**-0.5, scales=scales)
