@@ -11,7 +11,8 @@
 #           roofline of each row's own bytes; the 256-prompt workload, int4
 #           against bf16 (Qwen3-0.6B shape).
 # Usage (repository root, GPU machine): PART=1 OUT=... bash benchmarks/gpu_quant_session.sh
-# (GPU_TESTS=path narrows the tests of PART=1.)
+# (GPU_TESTS=path narrows the tests of PART=1; KV_FORMATS the kernel rows' formats,
+# VARIANT_FORMATS those of the VARIANTS other than as-is.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,9 +22,10 @@ if [ "${PART:-1}" = 1 ]; then
   tail -6 "$OUT/gpu_tests.log"
   IFS=, read -ra variants <<< "${VARIANTS:-as-is}"  # e.g. VARIANTS="as-is,STAGES=1 BLOCK_N_8BIT=64"
   for variant in "${variants[@]}"; do
-    sets=(); [ "$variant" = as-is ] || sets=(--set $variant)
+    sets=(); formats=${KV_FORMATS:-none fp8 int8}
+    [ "$variant" = as-is ] || { sets=(--set $variant); formats=${VARIANT_FORMATS:-$formats}; }
     timeout 100 python3 benchmarks/gpu_fast.py --skip curve --shapes llama-3.1-8b \
-      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv ${KV_FORMATS:-none fp8 int8} "${sets[@]}" 2>&1 \
+      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv $formats "${sets[@]}" 2>&1 \
       | grep '^kernel\|^copy\|Error' | sed "s/^/[$variant] /" | tee -a "$OUT/kernel_sweep.txt"
   done
   timeout "${KV_TIMEOUT:-150}" python3 -m pagedlm.cli bench decode --random-weights --model $M/llama-3.1-8b \

@@ -54,6 +54,7 @@ BLOCK_N_8BIT = 128  # 8-bit pools: tiles of as many bytes, so half the tiles
 STAGES = 3  # tiles whose loads a split keeps in flight, rows x KV heads < SMs (latency-bound)
 STAGES_BUSY = 2  # ... otherwise (stages change timing, never results)
 WARPS = 4  # warps per decode program
+PAIRED_SCALES = 1  # 8-bit head-major pools: scales load as 32-bit pairs (asynchronously)
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
 
@@ -129,7 +130,7 @@ if triton is not None:
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr, F16_SHIFT: tl.constexpr,
-        RUN: tl.constexpr,
+        RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -178,9 +179,12 @@ if triton is not None:
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if QUANT:  # 8-bit codes are exact in float16; a key's scale multiplies its scores
                     s_at = block * ss_block + off * ss_tok + kvh * ss_head
-                    if RUN > 1:
-                        s_at = tl.max_contiguous(tl.multiple_of(s_at, RUN), RUN)
-                    qk = qk * tl.load(KScale + s_at, mask=bmask, other=0.0).to(tl.float32)
+                    if PAIRED_SCALES:
+                        k_scale, v_scale = _scale_pairs(KScale, VScale, s_at, bmask, BLOCK_N, RUN)
+                    else:
+                        k_scale = tl.load(KScale + s_at, mask=bmask, other=0.0).to(tl.float32)
+                        v_scale = tl.load(VScale + s_at, mask=bmask, other=0.0).to(tl.float32)
+                    qk = qk * k_scale
                 qk = tl.where(tmask[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 # A tile wholly past the row or before the window (m_new still -inf) adds nothing.
@@ -191,13 +195,28 @@ if triton is not None:
                 v = tl.load(VPool + v_at, mask=bmask[:, None], other=0.0).to(DOT_T)
                 pv = p
                 if QUANT:  # ... and a value's scale its probability
-                    pv = p * tl.load(VScale + s_at, mask=bmask, other=0.0).to(tl.float32)
+                    pv = p * v_scale
                 acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_T), v, input_precision=PRECISION)
                 m_i = m_new
             # A split in [lo // SPLIT, cdiv(seq_len, SPLIT)) holds a key: l_i > 0.
             tl.store(OutPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
                      acc / l_i[:, None], mask=gmask[:, None])
             tl.store(LsePart + b * stride_lb + heads * stride_lh + s, m_i + tl.log(l_i), mask=gmask)
+
+    @triton.jit
+    def _scale_pairs(KScale, VScale, s_at, bmask, BLOCK_N: tl.constexpr, RUN: tl.constexpr):
+        """A tile's bfloat16 key and value scales (adjacent in runs of RUN, a
+        run starting at an even element), loaded as 32-bit words of two: a
+        word is the narrowest load the pipeliner copies asynchronously."""
+        even, _ = tl.split(tl.reshape(s_at, [BLOCK_N // 2, 2]))
+        keep, _ = tl.split(tl.reshape(bmask, [BLOCK_N // 2, 2]))
+        words = tl.max_contiguous(tl.multiple_of(even // 2, RUN // 2), RUN // 2)
+        kw = tl.load(KScale.to(tl.pointer_type(tl.int32)) + words, mask=keep, other=0)
+        vw = tl.load(VScale.to(tl.pointer_type(tl.int32)) + words, mask=keep, other=0)
+        # bfloat16 is float32's upper half: the low element shifted up, the high one masked.
+        k = tl.interleave((kw << 16).to(tl.float32, bitcast=True), (kw & -65536).to(tl.float32, bitcast=True))
+        v = tl.interleave((vw << 16).to(tl.float32, bitcast=True), (vw & -65536).to(tl.float32, bitcast=True))
+        return k, v
 
     @triton.jit
     def _decode_merge_kernel(
@@ -338,6 +357,7 @@ def paged_decode(
         return out
     programs = programs or decode_programs(B, Hkv, q.device)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
+    run = _token_run(v_pool, scales)
     _decode_split_kernel[(B, Hkv, programs)](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0),
@@ -348,8 +368,8 @@ def paged_decode(
         BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
         STAGES=STAGES if B * Hkv < _sm_count(q.device) else STAGES_BUSY,
-        F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=_token_run(v_pool, scales),
-        num_warps=WARPS,
+        F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
+        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1, num_warps=WARPS,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out, seq_lens,
