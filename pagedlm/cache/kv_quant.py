@@ -8,20 +8,22 @@ unquantized pool and one scale per token and KV head:
 - ``k_scale``, ``v_scale``: ``[num_blocks, block_size, H_kv]``, bfloat16;
 
 so a slot (block * block_size + offset) indexes both, and block tables,
-slot mappings, admission and preemption are unchanged. Those are the
-logical shapes; in memory the three are head-major (``zeros``, ``stored``):
-keys ``[num_blocks, H_kv, block_size, D]``, values ``[num_blocks, H_kv, D,
-block_size]`` and scales ``[num_blocks, H_kv, block_size]``, each viewed back
-in the logical order. Why: the decode kernel's products sum over ``D`` for
-keys and over tokens for values, and the tensor cores' shared-memory loads
-transpose 16-bit elements but not bytes; token-major 8-bit values cost one
-shared-memory load per byte and made 8-bit tiles slower to read than
-bfloat16 ones (``docs/design/kv-quant.md``). Head-major, a block of one KV
-head is one contiguous run, and its values, tokens innermost, load as
-16-byte rows.
-Symmetric, no zero
+slot mappings, admission and preemption are unchanged. Symmetric, no zero
 point: ``x ~= q * scale`` with ``scale = max|x| / QMAX`` over the token's
 ``D`` values of one KV head (``QMAX`` = 127 for int8, 448 for e4m3).
+
+Those are the logical shapes. In memory, pools the Triton kernels read are
+head-major (``HEAD_MAJOR``, built by ``zeros`` and ``stored``): keys
+``[num_blocks, H_kv, block_size, D]``, values ``[num_blocks, H_kv, D,
+block_size]``, scales ``[num_blocks, H_kv, block_size]``, each viewed back
+in the logical order. The decode kernel's products sum over ``D`` for keys
+and over tokens for values, and the tensor cores' shared-memory loads
+transpose 16-bit elements but not bytes: token-major 8-bit values cost one
+shared-memory load per byte. Head-major, a block of one KV head is one
+contiguous run and its values (tokens innermost) load as 16-byte rows
+(``docs/design/kv-quant.md``). Pools only the torch path reads stay
+token-major (``TOKEN_MAJOR``), the order its gather returns: head-major
+made the CPU's gather 1.6x slower.
 
 Why per token and KV head: a token's scale is known when the token is
 written (no block-wide scale to revise as a block fills, no second pass),
@@ -47,10 +49,12 @@ KV_QUANT_MODES = ("none", "int8", "fp8")
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # e4m3fn's largest finite value is 448
 SCALE_DTYPE = torch.bfloat16
-# Memory orders (logical dims, outermost first) of a pool's 8-bit payloads and scales.
+# Memory orders (logical dims, outermost first) of a pool's keys, values and scales.
 KEY_ORDER = (0, 2, 1, 3)  # [blocks, H_kv, block_size, D]
 VALUE_ORDER = (0, 2, 3, 1)  # [blocks, H_kv, D, block_size]: tokens innermost
 SCALE_ORDER = (0, 2, 1)  # [blocks, H_kv, block_size]
+HEAD_MAJOR = (KEY_ORDER, VALUE_ORDER, SCALE_ORDER)  # 8-bit pools the kernels read
+TOKEN_MAJOR = ((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2))  # the logical order: what the torch gather returns
 
 
 def head_bytes(head_dim: int, dtype: torch.dtype, mode: str) -> int:
@@ -100,6 +104,14 @@ def zeros(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype, de
 def stored(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """``t``'s values copied into memory running in ``order``, viewed in ``t``'s logical order."""
     return t.permute(order).contiguous().permute(_inverse(order))
+
+
+def select_blocks(t: torch.Tensor, order: tuple[int, ...], index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)`` for ``t`` whose memory runs in ``order``
+    (blocks outermost): selected where each block is one contiguous run
+    (torch's select on the permuted view walks it element by element,
+    1.6x slower on the CPU), returned in the logical order."""
+    return t.permute(order).index_select(0, index).permute(_inverse(order))
 
 
 def _inverse(order: tuple[int, ...]) -> list[int]:

@@ -25,9 +25,10 @@ With ``kv_quant`` (``int8`` or ``fp8``) the pools hold 8-bit codes plus one
 scale per token and KV head (``k_scale``, ``v_scale``: ``[num_blocks,
 block_size, H_kv]``, the same slots): ``write`` quantizes before its copy and
 ``gather`` dequantizes what it gathered to ``dtype``. Their shapes are the
-same, but their memory is head-major (values tokens innermost), so writes
-index by (block, offset) instead of flat slots. The math, the formats and
-the layout are in ``cache.kv_quant``.
+same; when the kernels read them (``fused``) their memory is head-major
+(values tokens innermost), so writes index by (block, offset) instead of
+flat slots. The math, the formats and the layouts are in
+``cache.kv_quant``.
 """
 
 from __future__ import annotations
@@ -64,13 +65,16 @@ class PagedPools:
         # memory) would poison the row. Written slots hold finite keys.
         store = kvq.storage_dtype(kv_quant, dtype)
         quantized = kv_quant != "none"
-        k_order, v_order = (kvq.KEY_ORDER, kvq.VALUE_ORDER) if quantized else ((0, 1, 2, 3),) * 2
+        # Memory orders: head-major for 8-bit pools the kernels read (kv_quant
+        # says why), token-major for the rest (the torch gather's own order).
+        self.orders = kvq.HEAD_MAJOR if quantized and fused else kvq.TOKEN_MAJOR
+        k_order, v_order, s_order = self.orders
         self.k = {i: kvq.zeros(shape, k_order, store, device) for i in layers}
         self.v = {i: kvq.zeros(shape, v_order, store, device) for i in layers}
         # Empty unless quantized; zero scales dequantize unwritten slots to 0.
         scaled = layers if quantized else []
-        self.k_scale = {i: kvq.zeros(shape[:-1], kvq.SCALE_ORDER, kvq.SCALE_DTYPE, device) for i in scaled}
-        self.v_scale = {i: kvq.zeros(shape[:-1], kvq.SCALE_ORDER, kvq.SCALE_DTYPE, device) for i in scaled}
+        self.k_scale = {i: kvq.zeros(shape[:-1], s_order, kvq.SCALE_DTYPE, device) for i in scaled}
+        self.v_scale = {i: kvq.zeros(shape[:-1], s_order, kvq.SCALE_DTYPE, device) for i in scaled}
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -116,17 +120,18 @@ class PagedPools:
         n_blocks = -(-length // self.block_size)
         table = block_tables[:, :n_blocks].clamp(min=0).reshape(-1)
         rows = block_tables.shape[0]
-        keys = self._take(self.k[layer], self.k_scale.get(layer), table, rows, length)
-        values = self._take(self.v[layer], self.v_scale.get(layer), table, rows, length)
+        k_order, v_order, _ = self.orders
+        keys = self._take(self.k[layer], self.k_scale.get(layer), k_order, table, rows, length)
+        values = self._take(self.v[layer], self.v_scale.get(layer), v_order, table, rows, length)
         return keys, values
 
-    def _take(self, pool: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor, rows: int,
-              length: int) -> torch.Tensor:
+    def _take(self, pool: torch.Tensor, scales: torch.Tensor | None, order: tuple[int, ...], table: torch.Tensor,
+              rows: int, length: int) -> torch.Tensor:
         if scales is None:
             return pool.index_select(0, table).view(rows, -1, *pool.shape[2:])[:, :length].contiguous()
-        q = kvq.as_bytes(pool).index_select(0, table).view(pool.dtype).reshape(rows, -1, *pool.shape[2:])
-        s = scales.index_select(0, table).reshape(rows, -1, scales.shape[-1])
-        return kvq.dequantize(q[:, :length], s[:, :length], self.dtype)
+        q = kvq.select_blocks(kvq.as_bytes(pool), order, table).reshape(rows, -1, *pool.shape[2:])
+        s = kvq.select_blocks(scales, self.orders[2], table).reshape(rows, -1, scales.shape[-1])
+        return kvq.dequantize(q[:, :length].view(pool.dtype), s[:, :length], self.dtype)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy blocks ``src[i]`` onto ``dst[i]`` in every layer, scales too

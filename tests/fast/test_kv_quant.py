@@ -16,6 +16,7 @@ from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.solo import Solo
 from pagedlm.cache import KVSpec, PagedPools
 from pagedlm.cache import kv_quant as kvq
+from pagedlm.kernels import paged_attention as pa
 from pagedlm.cache.store import token_bytes
 from pagedlm.cli import main
 from pagedlm.llm import LLM
@@ -103,17 +104,26 @@ def test_pool_bytes_count_codes_and_scales(mode, head_bytes):
     assert len(p.k_scale) == len(p.v_scale) == (0 if mode == "none" else 3)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
-def test_8bit_pools_are_head_major_and_read_back_what_was_written(mode):
-    """Memory: keys [blocks, H, block_size, D], values [blocks, H, D,
-    block_size], scales [blocks, H, block_size] (what the decode kernel's wide
-    loads need); the logical view and a write then gather are unchanged."""
+# fp8 through the fused write is checked on the H200 only: Triton's
+# interpreter rounds float8 casts its own way (a code or two per token moves).
+@pytest.mark.parametrize("mode,fused", [("int8", True), ("int8", False), ("fp8", False)])
+def test_8bit_pools_read_back_what_was_written_in_either_memory_order(mode, fused):
+    """Pools the kernels read (``fused``) are head-major: keys [blocks, H,
+    block_size, D], values [blocks, H, D, block_size], scales [blocks, H,
+    block_size] (what the decode kernel's wide loads need); the torch path's
+    stay token-major. The logical view, and a write then a gather, are the
+    same either way."""
+    if fused and not pa.available("cpu"):
+        pytest.skip("the fused write needs triton (interpreted here)")
     blocks, bs, h, d = 5, 8, 2, 16
-    p = PagedPools([0], blocks, bs, h, d, torch.float32, "cpu", mode)
+    p = PagedPools([0], blocks, bs, h, d, torch.float32, "cpu", mode, fused=fused)
     assert p.k[0].shape == p.v[0].shape == (blocks, bs, h, d) and p.k_scale[0].shape == (blocks, bs, h)
-    assert p.k[0].stride() == (h * bs * d, d, bs * d, 1)
-    assert p.v[0].stride() == (h * d * bs, 1, d * bs, bs)
-    assert p.k_scale[0].stride() == p.v_scale[0].stride() == (h * bs, 1, bs)
+    if fused:
+        assert p.k[0].stride() == (h * bs * d, d, bs * d, 1)
+        assert p.v[0].stride() == (h * d * bs, 1, d * bs, bs)
+        assert p.k_scale[0].stride() == p.v_scale[0].stride() == (h * bs, 1, bs)
+    else:
+        assert p.k[0].is_contiguous() and p.v[0].is_contiguous() and p.k_scale[0].is_contiguous()
     g = torch.Generator().manual_seed(4)
     keys, values = torch.randn(6, h, d, generator=g), torch.randn(6, h, d, generator=g)
     slots = torch.tensor([9, 3, 31, 16, 8, 24])
