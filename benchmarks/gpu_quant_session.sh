@@ -12,7 +12,8 @@
 #           against bf16 (Qwen3-0.6B shape).
 # Usage (repository root, GPU machine): PART=1 OUT=... bash benchmarks/gpu_quant_session.sh
 # (GPU_TESTS=path narrows the tests of PART=1; KV_FORMATS the kernel rows' formats,
-# VARIANT_FORMATS those of the VARIANTS other than as-is.)
+# VARIANT_FORMATS those of the VARIANTS other than as-is; KV_PROMPTS, KV_GEN and
+# KV_REPEATS the engine's decode run.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,7 +30,7 @@ if [ "${PART:-1}" = 1 ]; then
       | grep '^kernel\|^copy\|Error' | sed "s/^/[$variant] /" | tee -a "$OUT/kernel_sweep.txt"
   done
   timeout "${KV_TIMEOUT:-150}" python3 -m pagedlm.cli bench decode --random-weights --model $M/llama-3.1-8b \
-    --device cuda --prompt-len 8192 32768 --gen-len 64 --repeats 2 --paged-kv --kv-quant fp8 --attention-backend triton \
+    --device cuda --prompt-len ${KV_PROMPTS:-8192 32768} --gen-len ${KV_GEN:-64} --repeats ${KV_REPEATS:-2} --paged-kv --kv-quant fp8 --attention-backend triton \
     --kv-budget-bytes 17G --max-num-seqs 1 --max-num-batched-tokens 1024 --json 2>"$OUT/kv_quant_decode.err" | grep '^{' > "$OUT/kv_quant_decode.jsonl"
   [ -s "$OUT/kv_quant_decode.jsonl" ] || tail -5 "$OUT/kv_quant_decode.err"
   python3 - "$OUT/kv_quant_decode.jsonl" <<'PY'
