@@ -255,7 +255,8 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_p
     negative slot is skipped): one launch for both. With ``scales`` (the
     pools' ``[blocks, block_size, H_kv]`` scales) the pools hold 8-bit codes:
     each token's heads are quantized to +-``qmax`` as ``cache.kv_quant``
-    does, in the same launch."""
+    does, in the same launch. Pools and scales are addressed through their
+    strides (token-major or head-major alike)."""
     T, H, D = keys.shape
     if T == 0:
         return
