@@ -161,20 +161,24 @@ if triton is not None:
             for t in tl.range(0, SPLIT // BLOCK_N, num_stages=STAGES):
                 toks = s * SPLIT + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 tmask = (toks < seq_len) & (toks >= lo)
-                # Loads are masked by whole blocks (a block holding any key of
-                # the row is read whole; its other slots hold finite values
-                # whose scores are masked), so a block's run of slots stays
-                # one wide load.
-                first = (toks // BS) * BS
-                bmask = (first < seq_len) & (first + BS > lo)
+                if RUN > 1:
+                    # Head-major (8-bit): loads masked by whole blocks (a block
+                    # holding any key of the row is read whole; its other
+                    # slots hold finite values whose scores are masked), so a
+                    # block's run of tokens stays one wide load.
+                    first = (toks // BS) * BS
+                    bmask = (first < seq_len) & (first + BS > lo)
+                else:
+                    bmask = tmask
                 block = tl.load(Tables + b * stride_tb + toks // BS, mask=bmask, other=0).to(tl.int64)
                 off = toks % BS
-                # Element strides, so one kernel reads either layout (token-major, or 8-bit head-major).
-                k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
-                v_rows = block * sv_block + off * sv_tok + kvh * sv_head
-                if RUN > 1:  # a block's tokens lie next to each other (sv_tok == 1): say so, for wide loads
-                    v_rows = tl.max_contiguous(tl.multiple_of(v_rows, RUN), RUN)
-                v_at = v_rows[:, None] + d[None, :] * sv_dim
+                if RUN > 1:  # element strides; a block's tokens lie next to each other (sv_tok == 1)
+                    k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
+                    v_rows = tl.max_contiguous(tl.multiple_of(block * sv_block + off + kvh * sv_head, RUN), RUN)
+                    v_at = v_rows[:, None] + d[None, :] * sv_dim
+                else:  # token-major: one slot address serves keys and values (their strides are equal)
+                    k_at = (block * BS + off)[:, None] * sk_tok + kvh * sk_head + d[None, :]
+                    v_at = k_at
                 k = tl.load(KPool + k_at, mask=bmask[:, None], other=0.0).to(DOT_T)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if QUANT:  # 8-bit codes are exact in float16; a key's scale multiplies its scores
@@ -304,7 +308,7 @@ def _window(window: int | None) -> int:
     return window if window is not None else NO_WINDOW
 
 
-def _token_run(v_pool: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
+def _token_run(k_pool: torch.Tensor, v_pool: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
     """How many of a block's tokens the decode kernel may treat as one run of
     adjacent values (and scales): up to 16 when the values are stored token
     innermost (``cache.kv_quant``'s 8-bit layout), else 1. Wide runs let the
@@ -312,6 +316,9 @@ def _token_run(v_pool: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] |
     cores untransposed."""
     tensors = [v_pool, *(scales or ())]
     if any(t.stride(1) != 1 for t in tensors):
+        # token-major: the kernel addresses keys and values by slot, as one
+        assert k_pool.stride() == v_pool.stride() and k_pool.stride(0) == k_pool.shape[1] * k_pool.stride(1) \
+            and k_pool.stride(3) == 1, "token-major pools are slot-addressed: equal, contiguous strides"
         return 1
     run = min(v_pool.shape[1], 16)
     assert all(t.stride(i) % run == 0 for t in tensors for i in (0, 2) if t.shape[i] > 1), "runs start at multiples of their length"
@@ -358,7 +365,7 @@ def paged_decode(
         return out
     programs = programs or decode_programs(B, Hkv, q.device)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
-    run = _token_run(v_pool, scales)
+    run = _token_run(k_pool, v_pool, scales)
     _decode_split_kernel[(B, Hkv, programs)](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0),

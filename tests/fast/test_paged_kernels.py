@@ -180,9 +180,9 @@ def test_decode_reads_8bit_blocks_the_same_in_either_layout(block_size):
 
     q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 300, 45], block_size, 8, 2, 64, torch.float32, seed=8)
     (kc, ks, _), (vc, vs, _) = quantized_pools(k_pool, v_pool, "int8")
-    assert pa._token_run(vc, (ks, vs)) == min(block_size, 16)
+    assert pa._token_run(kc, vc, (ks, vs)) == min(block_size, 16)
     flat = [t.contiguous() for t in (kc, vc, ks, vs)]
-    assert pa._token_run(flat[1], (flat[2], flat[3])) == 1
+    assert pa._token_run(flat[0], flat[1], (flat[2], flat[3])) == 1
     head_major = pa.paged_decode(q, kc, vc, tables, seq_lens, 0.125, scales=(ks, vs))
     token_major = pa.paged_decode(q, flat[0], flat[1], tables, seq_lens, 0.125, scales=(flat[2], flat[3]))
     assert torch.equal(head_major, token_major)
