@@ -29,7 +29,7 @@ SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m
 TUNABLE = ("SPLIT", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "BLOCK_N_8BIT", "STAGES", "STAGES_BUSY", "WARPS", "PAIRED_SCALES")  # --set NAME=VALUE overrides (a sweep)
 
 
-TOKEN_MAJOR = "-token-major"  # --kv fp8-token-major: 8-bit pools in the bf16 pools' layout
+TOKEN_MAJOR_SUFFIX = "-token-major"  # --kv fp8-token-major: 8-bit pools in the bf16 pools' layout
 L2_PASS_BYTES = 512 << 20  # pools streamed per timed pass: ten times the H200's L2
 CASES = ((1, 512), (1, 4096), (1, 32768), (8, 4096), (64, 2048), (256, 1024))
 
@@ -57,8 +57,8 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                     v_pool = torch.randn_like(k_pool)
                     if fmt == "none":
                         pools, scales = (k_pool, v_pool), None
-                    elif fmt.endswith(TOKEN_MAJOR):  # the 8-bit layout before head-major pools, for comparison
-                        mode = fmt.removesuffix(TOKEN_MAJOR)
+                    elif fmt.endswith(TOKEN_MAJOR_SUFFIX):  # the 8-bit layout before head-major pools, for comparison
+                        mode = fmt.removesuffix(TOKEN_MAJOR_SUFFIX)
                         (kq, ks), (vq, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
                         pools, scales = (kq, vq), (ks, vs)
                     else:
@@ -132,7 +132,7 @@ def main() -> int:
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768 (default: CASES)")
     p.add_argument("--kv", nargs="*", default=["none"], help="KV formats of the kernel rows",
-                   choices=[*kvq.KV_QUANT_MODES, *(m + TOKEN_MAJOR for m in kvq.QMAX)])
+                   choices=[*kvq.KV_QUANT_MODES, *(m + TOKEN_MAJOR_SUFFIX for m in kvq.QMAX)])
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")
     args = p.parse_args()
     for item in args.set:

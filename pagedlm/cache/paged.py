@@ -26,9 +26,10 @@ scale per token and KV head (``k_scale``, ``v_scale``: ``[num_blocks,
 block_size, H_kv]``, the same slots): ``write`` quantizes before its copy and
 ``gather`` dequantizes what it gathered to ``dtype``. Their shapes are the
 same; when the kernels read them (``fused``) their memory is head-major
-(values tokens innermost), so writes index by (block, offset) instead of
-flat slots. The math, the formats and the layouts are in
-``cache.kv_quant``.
+(values tokens innermost): the kernels' write addresses it by strides, and
+``gather`` selects whole blocks where they lie. Unfused pools (the only
+ones ``write``'s indexed copies touch) stay token-major. The math, the
+formats and the layouts are in ``cache.kv_quant``.
 """
 
 from __future__ import annotations
@@ -106,9 +107,8 @@ class PagedPools:
             pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x)
             return
         q, s = kvq.quantize(x, self.kv_quant)
-        at = (slots // self.block_size, slots % self.block_size)  # head-major memory has no flat slot axis
-        kvq.as_bytes(pool).index_put_(at, kvq.as_bytes(q))
-        scales.index_put_(at, s)
+        kvq.as_bytes(pool).view(-1, *pool.shape[2:]).index_copy_(0, slots, kvq.as_bytes(q))
+        scales.view(-1, scales.shape[-1]).index_copy_(0, slots, s)
 
     def gather(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows' keys/values, ``[rows, length, H_kv, D]``, contiguous: each row's

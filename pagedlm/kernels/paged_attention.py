@@ -5,10 +5,10 @@
 
 The pools are ``[num_blocks, block_size, H_kv, D]`` (``cache.paged``); a
 row's token ``j`` lives at block ``table[j // block_size]``, offset ``j %
-block_size``. The kernels compute that address per token from the pools'
-element strides, so the block size only changes where rows come from, never
-the tiling, and one kernel reads token-major pools (bf16) and head-major
-ones (8-bit, values tokens innermost: ``cache.kv_quant``) alike.
+block_size``. The kernels compute that address per token (by slot for
+token-major pools, whose keys and values share strides; by element strides
+for head-major 8-bit ones, values tokens innermost: ``cache.kv_quant``), so
+the block size only changes where rows come from, never the tiling.
 
 Decode is split-K ("flash-decoding"): a row's keys are cut into splits of
 ``SPLIT`` tokens at fixed boundaries (0, SPLIT, 2*SPLIT, ...), and each
