@@ -62,8 +62,7 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                         (kq, ks), (vq, vs) = kvq.quantize(k_pool, mode), kvq.quantize(v_pool, mode)
                         pools, scales = (kq, vq), (ks, vs)
                     else:
-                        (kq, ks), (vq, vs) = (kvq.quantize_pool(k_pool, fmt, kvq.KEY_ORDER),
-                                              kvq.quantize_pool(v_pool, fmt, kvq.VALUE_ORDER))
+                        (kq, ks), (vq, vs) = kvq.quantize_pools(k_pool, v_pool, fmt)
                         pools, scales = (kq, vq), (ks, vs)
                     del k_pool, v_pool
                     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row)

@@ -118,9 +118,13 @@ def _inverse(order: tuple[int, ...]) -> list[int]:
     return sorted(range(len(order)), key=order.__getitem__)
 
 
-def quantize_pool(pool: torch.Tensor, mode: str, order: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole ``[blocks, block_size, H_kv, D]`` pool quantized and laid out as
-    ``PagedPools`` lays it (``order``: ``KEY_ORDER`` or ``VALUE_ORDER``):
-    codes and scales, for benchmarks and tests that build pools directly."""
-    q, s = quantize(pool, mode)
-    return stored(q, order), stored(s, SCALE_ORDER)
+def quantize_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, mode: str):
+    """Whole ``[blocks, block_size, H_kv, D]`` key and value pools quantized and
+    laid out as ``PagedPools`` lays them for the kernels (``HEAD_MAJOR``):
+    ``((key codes, key scales), (value codes, value scales))``, for
+    benchmarks and tests that build pools directly."""
+    out = []
+    for pool, order in ((k_pool, KEY_ORDER), (v_pool, VALUE_ORDER)):
+        q, s = quantize(pool, mode)
+        out.append((stored(q, order), stored(s, SCALE_ORDER)))
+    return tuple(out)

@@ -150,11 +150,8 @@ def quantized_pools(k_pool, v_pool, mode):
     them, and what they dequantize to."""
     from pagedlm.cache import kv_quant as kvq
 
-    out = []
-    for pool, order in ((k_pool, kvq.KEY_ORDER), (v_pool, kvq.VALUE_ORDER)):
-        codes, scale = kvq.quantize_pool(pool, mode, order)
-        out.append((codes, scale, kvq.dequantize(codes, scale, pool.dtype)))
-    return out
+    return [(codes, scale, kvq.dequantize(codes, scale, k_pool.dtype))
+            for codes, scale in kvq.quantize_pools(k_pool, v_pool, mode)]
 
 
 @pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [(16, [1, 300, 40], 8, 2, 64), (64, [700, 129], 4, 1, 128)])
@@ -176,8 +173,6 @@ def test_decode_reads_8bit_blocks_the_same_in_either_layout(block_size):
     block's tokens as runs of adjacent bytes) and the same codes stored
     token-major (no runs) give the same bits; a stride or run taken wrongly
     in either would not. Block 8 makes runs of 8, shorter than the hint's 16."""
-    from pagedlm.cache import kv_quant as kvq
-
     q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 300, 45], block_size, 8, 2, 64, torch.float32, seed=8)
     (kc, ks, _), (vc, vs, _) = quantized_pools(k_pool, v_pool, "int8")
     assert pa._token_run(kc, vc, (ks, vs)) == min(block_size, 16)

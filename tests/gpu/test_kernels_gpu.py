@@ -67,7 +67,7 @@ def test_decode_reads_8bit_blocks_full_size(mode):
 
     hq, hkv, d, _ = SHAPES["llama-8b"]
     q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 513, 8191, 2000], 16, hq, hkv, d, torch.bfloat16)
-    (kc, ks), (vc, vs) = kvq.quantize_pool(k_pool, mode, kvq.KEY_ORDER), kvq.quantize_pool(v_pool, mode, kvq.VALUE_ORDER)
+    (kc, ks), (vc, vs) = kvq.quantize_pools(k_pool, v_pool, mode)
     out = pa.paged_decode(q, kc, vc, tables, seq_lens, d**-0.5, scales=(ks, vs))
     flat = [t.contiguous() for t in (kc, vc, ks, vs)]  # the same codes token-major: the same bits
     assert torch.equal(pa.paged_decode(q, flat[0], flat[1], tables, seq_lens, d**-0.5, scales=(flat[2], flat[3])), out)
@@ -106,8 +106,7 @@ def test_decode_row_is_the_same_alone_and_in_a_full_batch(mode):
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, hq, hkv, d, torch.bfloat16)
     scales = None
     if mode != "none":
-        (k_pool, ks), (v_pool, vs) = (kvq.quantize_pool(k_pool, mode, kvq.KEY_ORDER),
-                                      kvq.quantize_pool(v_pool, mode, kvq.VALUE_ORDER))
+        (k_pool, ks), (v_pool, vs) = kvq.quantize_pools(k_pool, v_pool, mode)
         scales = (ks, vs)
     batch = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5, scales=scales)
     alone = pa.paged_decode(q[:1], k_pool, v_pool, tables[:1], seq_lens[:1], d**-0.5, scales=scales)
