@@ -11,24 +11,39 @@
 #           roofline of each row's own bytes; the 256-prompt workload, int4
 #           against bf16 (Qwen3-0.6B shape).
 # Usage (repository root, GPU machine): PART=1 OUT=... bash benchmarks/gpu_quant_session.sh
-# (GPU_TESTS=path narrows the tests of PART=1; KV_FORMATS the kernel rows' formats,
-# VARIANT_FORMATS those of the VARIANTS other than as-is; KV_PROMPTS, KV_GEN and
-# KV_REPEATS the engine's decode run.)
+# (GPU_TESTS=path narrows the tests of PART=1; STEPS picks among its steps "tests
+# kernel engine"; KV_FORMATS the kernel rows' formats, VARIANT_FORMATS those of the
+# VARIANTS other than as-is; BASELINE=dir also times the kernel of the pagedlm
+# package under dir (e.g. an older commit's, from git archive) in the same call, as
+# [baseline]; KV_PROMPTS, KV_GEN and KV_REPEATS the engine's decode run.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=benchmarks/configs
+STEPS=${STEPS:-tests kernel engine}
+sweep() {  # label, PYTHONPATH, gpu_fast arguments...
+  local label=$1 path=$2; shift 2
+  PYTHONPATH=$path timeout 100 python3 benchmarks/gpu_fast.py --skip curve --shapes llama-3.1-8b \
+    --cases 1x8192 1x16384 1x32768 64x2048 256x1024 "$@" 2>&1 \
+    | grep '^kernel\|^copy\|Error' | sed "s/^/[$label] /" | tee -a "$OUT/kernel_sweep.txt"
+}
 if [ "${PART:-1}" = 1 ]; then
-  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1
-  tail -6 "$OUT/gpu_tests.log"
-  IFS=, read -ra variants <<< "${VARIANTS:-as-is}"  # e.g. VARIANTS="as-is,STAGES=1 BLOCK_N_8BIT=64"
-  for variant in "${variants[@]}"; do
-    sets=(); formats=${KV_FORMATS:-none fp8 int8}
-    [ "$variant" = as-is ] || { sets=(--set $variant); formats=${VARIANT_FORMATS:-$formats}; }
-    timeout 100 python3 benchmarks/gpu_fast.py --skip curve --shapes llama-3.1-8b \
-      --cases 1x8192 1x16384 1x32768 64x2048 256x1024 --kv $formats "${sets[@]}" 2>&1 \
-      | grep '^kernel\|^copy\|Error' | sed "s/^/[$variant] /" | tee -a "$OUT/kernel_sweep.txt"
-  done
+  if [[ " $STEPS " == *" tests "* ]]; then
+    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1
+    tail -6 "$OUT/gpu_tests.log"
+  fi
+  if [[ " $STEPS " == *" kernel "* ]]; then
+    IFS=, read -ra variants <<< "${VARIANTS:-as-is}"  # e.g. VARIANTS="as-is,STAGES=1 BLOCK_N_8BIT=64"
+    for variant in "${variants[@]}"; do
+      if [ "$variant" = as-is ]; then
+        sweep as-is "$PYTHONPATH" --kv ${KV_FORMATS:-none fp8 int8}
+      else
+        sweep "$variant" "$PYTHONPATH" --kv ${VARIANT_FORMATS:-${KV_FORMATS:-none fp8 int8}} --set $variant
+      fi
+    done
+    [ -z "${BASELINE:-}" ] || sweep baseline "$BASELINE" --kv ${KV_FORMATS:-none fp8 int8}
+  fi
+  [[ " $STEPS " == *" engine "* ]] || exit 0
   timeout "${KV_TIMEOUT:-150}" python3 -m pagedlm.cli bench decode --random-weights --model $M/llama-3.1-8b \
     --device cuda --prompt-len ${KV_PROMPTS:-8192 32768} --gen-len ${KV_GEN:-64} --repeats ${KV_REPEATS:-2} --paged-kv --kv-quant fp8 --attention-backend triton \
     --kv-budget-bytes 17G --max-num-seqs 1 --max-num-batched-tokens 1024 --json 2>"$OUT/kv_quant_decode.err" | grep '^{' > "$OUT/kv_quant_decode.jsonl"

@@ -158,6 +158,13 @@ if triton is not None:
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
+            # The split's block numbers, read before its tiles: a key address
+            # that waits on a load inside the tile loop leaves the pipeliner
+            # one buffer, so no tile's copy would overlap another's math.
+            first_block = (s * SPLIT) // BS
+            blocks = first_block + tl.arange(0, (SPLIT + BS - 1) // BS)
+            split_table = tl.load(Tables + b * stride_tb + blocks, mask=(blocks * BS < seq_len) & ((blocks + 1) * BS > lo),
+                                  other=0)
             for t in tl.range(0, SPLIT // BLOCK_N, num_stages=STAGES):
                 toks = s * SPLIT + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 tmask = (toks < seq_len) & (toks >= lo)
@@ -170,7 +177,7 @@ if triton is not None:
                     bmask = (first < seq_len) & (first + BS > lo)
                 else:
                     bmask = tmask
-                block = tl.load(Tables + b * stride_tb + toks // BS, mask=bmask, other=0).to(tl.int64)
+                block = tl.gather(split_table, toks // BS - first_block, 0).to(tl.int64)
                 off = toks % BS
                 if RUN > 1:  # element strides; a block's tokens lie next to each other (sv_tok == 1)
                     k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim

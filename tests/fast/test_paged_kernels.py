@@ -51,6 +51,8 @@ def paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=0, spare_blocks=3)
     (64, [257, 256, 255], 8, 2, 128),    # lengths at the split boundary
     (128, [600, 3], 6, 2, 256),          # GQA 3 (not a power of two), head dim 256
     (256, [700, 1000, 31], 8, 1, 128),   # big blocks, several splits per block
+    (8, [300, 70], 4, 2, 64),            # 32 blocks a split
+    (512, [1100, 40], 4, 2, 64),         # a block holds two splits: a split reads the middle of its block
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_matches_float64_reference(block_size, lengths, hq, hkv, d, dtype):
