@@ -38,7 +38,7 @@ PATTERN = re.compile(r"\b(cp\.async\.c[ag]\.shared\.global|ld\.shared\.[a-z0-9.]
 def compile_case(pool: str, head_major: bool, quant: bool):
     ones = {"sk_dim", "sv_tok", "ss_tok"} if head_major else {"sk_dim", "sv_dim", "ss_head"}
     run = 16 if head_major else 1
-    consts = dict(G=4, G_PAD=16, D=128, BS=16, SPLIT=pa.SPLIT, BLOCK_N=pa.BLOCK_N_8BIT if quant else pa.BLOCK_N,
+    consts = dict(G=4, G_PAD=16, D=128, BS=16, SPLIT=pa.SPLIT, BLOCK_N=pa.BLOCK_N,
                   PRECISION="tf32", QUANT=quant, STAGES=pa.STAGES, F16_DOT=quant, F16_SHIFT=256.0, RUN=run,
                   PAIRED_SCALES=bool(pa.PAIRED_SCALES) and run > 1, **{n: 1 for n in ones})
     types = {"Q": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*bf16", "VScale": "*bf16", "Tables": "*i32",

@@ -33,7 +33,7 @@ if [ "${PART:-1}" = 1 ]; then
     tail -6 "$OUT/gpu_tests.log"
   fi
   if [[ " $STEPS " == *" kernel "* ]]; then
-    IFS=, read -ra variants <<< "${VARIANTS:-as-is}"  # e.g. VARIANTS="as-is,STAGES=1 BLOCK_N_8BIT=64"
+    IFS=, read -ra variants <<< "${VARIANTS:-as-is}"  # e.g. VARIANTS="as-is,STAGES=1 BLOCK_N=32"
     for variant in "${variants[@]}"; do
       if [ "$variant" = as-is ]; then
         sweep as-is "$PYTHONPATH" --kv ${KV_FORMATS:-none fp8 int8}

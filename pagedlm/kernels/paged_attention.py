@@ -50,9 +50,8 @@ PROGRAMS_PER_SM = 4  # decode_programs: how full the grid is made
 MAX_PROGRAMS = 128  # programs per (row, KV head) at most; program z takes splits z, z + programs, ...
 MERGE_CHUNK = 32  # splits the merge reads at a time
 BLOCK_N = 64  # keys per tile inside a split
-BLOCK_N_8BIT = 128  # 8-bit pools: tiles of as many bytes, so half the tiles
-STAGES = 3  # tiles whose loads a split keeps in flight, rows x KV heads < SMs (latency-bound)
-STAGES_BUSY = 2  # ... otherwise (stages change timing, never results)
+STAGES = 3  # pipeline stages of the tile loop: 8-bit pools, and bf16 ones while rows x KV heads < SMs
+STAGES_BUSY = 2  # bf16 pools otherwise (stages change timing, never results)
 WARPS = 4  # warps per decode program
 PAIRED_SCALES = 1  # 8-bit head-major pools: scales load as 32-bit pairs (asynchronously)
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
@@ -158,13 +157,17 @@ if triton is not None:
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
-            # The split's block numbers, read before its tiles: a key address
-            # that waits on a load inside the tile loop leaves the pipeliner
-            # one buffer, so no tile's copy would overlap another's math.
-            first_block = (s * SPLIT) // BS
-            blocks = first_block + tl.arange(0, (SPLIT + BS - 1) // BS)
-            split_table = tl.load(Tables + b * stride_tb + blocks, mask=(blocks * BS < seq_len) & ((blocks + 1) * BS > lo),
-                                  other=0)
+            if QUANT:
+                # 8-bit pools: the split's block numbers read before its tiles.
+                # A key address waiting on a load inside the tile loop leaves
+                # the pipeliner one buffer (no tile's copy overlaps another's
+                # math); read ahead, tiles are double-buffered. bf16 pools keep
+                # the in-loop read: one buffer, but fewer registers, which
+                # measured faster for them when the GPU is full.
+                first_block = (s * SPLIT) // BS
+                blocks = first_block + tl.arange(0, (SPLIT + BS - 1) // BS)
+                split_table = tl.load(Tables + b * stride_tb + blocks,
+                                      mask=(blocks * BS < seq_len) & ((blocks + 1) * BS > lo), other=0)
             for t in tl.range(0, SPLIT // BLOCK_N, num_stages=STAGES):
                 toks = s * SPLIT + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 tmask = (toks < seq_len) & (toks >= lo)
@@ -177,7 +180,10 @@ if triton is not None:
                     bmask = (first < seq_len) & (first + BS > lo)
                 else:
                     bmask = tmask
-                block = tl.gather(split_table, toks // BS - first_block, 0).to(tl.int64)
+                if QUANT:
+                    block = tl.gather(split_table, toks // BS - first_block, 0).to(tl.int64)
+                else:
+                    block = tl.load(Tables + b * stride_tb + toks // BS, mask=bmask, other=0).to(tl.int64)
                 off = toks % BS
                 if RUN > 1:  # element strides; a block's tokens lie next to each other (sv_tok == 1)
                     k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
@@ -380,9 +386,9 @@ def paged_decode(
         *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
         scale, _window(window), programs,
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT,
-        BLOCK_N=BLOCK_N_8BIT if scales is not None else BLOCK_N,
+        BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
-        STAGES=STAGES if B * Hkv < _sm_count(q.device) else STAGES_BUSY,
+        STAGES=STAGES if scales is not None or B * Hkv < _sm_count(q.device) else STAGES_BUSY,
         F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
         PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1, num_warps=WARPS,
     )

@@ -156,7 +156,12 @@ def quantized_pools(k_pool, v_pool, mode):
             for codes, scale in kvq.quantize_pools(k_pool, v_pool, mode)]
 
 
-@pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [(16, [1, 300, 40], 8, 2, 64), (64, [700, 129], 4, 1, 128)])
+@pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [
+    (16, [1, 300, 40], 8, 2, 64),
+    (64, [700, 129], 4, 1, 128),
+    (8, [300, 70], 4, 2, 64),      # 32 blocks a split: the split's block numbers are read ahead of its tiles
+    (512, [1100, 40], 4, 2, 64),   # two splits a block: a split starts mid-block
+])
 def test_decode_reads_int8_blocks_in_registers(block_size, lengths, hq, hkv, d):
     """The kernel on 8-bit codes and their scales computes attention over
     exactly the values the reference path dequantizes."""
