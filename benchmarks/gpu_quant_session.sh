@@ -2,9 +2,9 @@
 # One session's H200 figures for issues 11 (8-bit KV decode) and 12 (int4
 # weights), in two device calls (PART=1, PART=2), rows written under $OUT:
 #   PART=1  tests/gpu; the decode kernel alone, bf16/fp8/int8 KV, batch 1 at
-#           8k-32k and two big batches, as the kernel now is and with its
-#           old tiling (STAGES=1, 64-key 8-bit tiles) and with 32 programs
-#           per row; batch-1 decode at 32k tokens through the engine, bf16
+#           8k-32k and two big batches, as the kernel now is, with kernel
+#           constants overridden (VARIANTS) and as another tree's kernel
+#           (BASELINE); batch-1 decode at 32k tokens through the engine, bf16
 #           against fp8 KV (Llama-3.1-8B shape).
 #   PART=2  int4 weights: batch-1 decode (Qwen3-0.6B and Llama-3.1-8B shapes)
 #           against bf16 on the same store (kernels + CUDA graphs), with the
