@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -38,9 +39,8 @@ PATTERN = re.compile(r"\b(cp\.async\.c[ag]\.shared\.global|ld\.shared\.[a-z0-9.]
 def compile_case(pool: str, head_major: bool, quant: bool):
     ones = {"sk_dim", "sv_tok", "ss_tok"} if head_major else {"sk_dim", "sv_dim", "ss_head"}
     run = 16 if head_major else 1
-    consts = dict(G=4, G_PAD=16, D=128, BS=16, SPLIT=pa.SPLIT, BLOCK_N=pa.BLOCK_N,
-                  PRECISION="tf32", QUANT=quant, STAGES=pa.STAGES, F16_DOT=quant, F16_SHIFT=256.0, RUN=run,
-                  PAIRED_SCALES=bool(pa.PAIRED_SCALES) and run > 1, **{n: 1 for n in ones})
+    # as paged_decode launches it at batch 1; strides of 1 are constants, as Triton specializes them
+    consts = {**pa.decode_constants(torch.bfloat16, 4, 128, 16, quant, run, busy=False), **{n: 1 for n in ones}}
     types = {"Q": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*bf16", "VScale": "*bf16", "Tables": "*i32",
              "SeqLens": "*i32", "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32", "window": "i32",
              "programs": "i32", **{n: "i32" for n in STRIDES}}

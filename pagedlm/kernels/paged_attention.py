@@ -338,6 +338,21 @@ def _token_run(k_pool: torch.Tensor, v_pool: torch.Tensor, scales: tuple[torch.T
     return run
 
 
+def decode_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size: int, quant: bool, run: int,
+                     busy: bool) -> dict:
+    """The decode kernel's compile-time constants for a launch: query
+    dtype, GQA group, head dim, block size, 8-bit pools or not, their token
+    run (``_token_run``) and whether rows x KV heads fill the SMs
+    (``benchmarks/decode_ptx.py`` compiles with these too)."""
+    return dict(
+        G=group, G_PAD=max(MIN_DOT, triton.next_power_of_2(group)), D=head_dim, BS=block_size, SPLIT=SPLIT,
+        BLOCK_N=BLOCK_N, PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant,
+        STAGES=STAGES if quant or not busy else STAGES_BUSY,
+        F16_DOT=quant and q_dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
+        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1,
+    )
+
+
 def decode_programs(batch: int, kv_heads: int, device: torch.device) -> int:
     """Programs per (row, KV head): enough that the grid is about PROGRAMS_PER_SM
     programs per SM (a row's splits are shared out), at most MAX_PROGRAMS.
@@ -385,12 +400,8 @@ def paged_decode(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
         scale, _window(window), programs,
-        G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D=D, BS=BS, SPLIT=SPLIT,
-        BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=scales is not None,
-        STAGES=STAGES if scales is not None or B * Hkv < _sm_count(q.device) else STAGES_BUSY,
-        F16_DOT=scales is not None and q.dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
-        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1, num_warps=WARPS,
+        **decode_constants(q.dtype, G, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
+        num_warps=WARPS,
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out, seq_lens,

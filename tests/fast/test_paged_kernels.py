@@ -50,7 +50,7 @@ def paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=0, spare_blocks=3)
     (16, [513, 40], 16, 1, 64),          # GQA 16, three splits beside one
     (64, [257, 256, 255], 8, 2, 128),    # lengths at the split boundary
     (128, [600, 3], 6, 2, 256),          # GQA 3 (not a power of two), head dim 256
-    (256, [700, 1000, 31], 8, 1, 128),   # big blocks, several splits per block
+    (256, [700, 1000, 31], 8, 1, 128),   # big blocks, one split a block
     (8, [300, 70], 4, 2, 64),            # 32 blocks a split
     (512, [1100, 40], 4, 2, 64),         # a block holds two splits: a split reads the middle of its block
 ])
