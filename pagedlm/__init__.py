@@ -1,8 +1,8 @@
 """pagedlm: run and serve language models, with an optional paged KV cache.
 
-    import pagedlm
-    llm = pagedlm.LLM("gemma3-270m", paged_kv=True)
-    outputs = llm.generate(["The capital of France is"], pagedlm.SamplingParams(max_tokens=16))
+    from pagedlm import LLM, SamplingParams   # as a vLLM script imports them
+    llm = LLM("gemma3-270m", paged_kv=True)
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
     print(outputs[0].outputs[0].text)
 
 One request at a time: ``model, tokenizer = pagedlm.load(...)`` and
@@ -11,10 +11,10 @@ One request at a time: ``model, tokenizer = pagedlm.load(...)`` and
 
 from .batch.engine import LLMEngine
 from .generate import GenerationResponse, generate, stream_generate
-from .llm import LLM, CompletionOutput, RequestOutput
+from .llm import LLM, CompletionOutput, Logprob, RequestOutput
 from .loading import load
 from .options import EngineOptions, GenerateOptions, PagedKvOptions, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LLMEngine", "EngineOptions",
-           "load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LLMEngine",
+           "EngineOptions", "load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",
            "GenerationResponse"]

@@ -7,29 +7,85 @@ combination) are one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import signal
 import sys
-from typing import Sequence
+import time
+from typing import Iterator, Sequence
 
 from . import options as opt
 
 
 CHAT_PROMPT_CACHE_BYTES = 1 << 62  # one conversation: keep all of it
+PREFILL_BAR_AFTER_S = 2.0  # a prefill that has taken longer shows its progress on stderr
 
 
 class CliError(Exception):
     """A one-line error for the user."""
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: {_shown(action.default)})".lstrip().replace("%", "%%")
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formatter_class=_HelpFormatter, **kwargs)
+
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise CliError(f"{self.prog}: {message}")
 
 
+class _AtLeast(argparse.Action):
+    """An integer option (each value, with nargs) of at least ``low``."""
+
+    def __init__(self, *args, low: int = 1, **kwargs) -> None:
+        super().__init__(*args, type=int, **kwargs)
+        self.low = low
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        for value in values if isinstance(values, list) else [values]:
+            if value < self.low:
+                raise argparse.ArgumentError(None, f"{option_string} must be >= {self.low} (got {value})")
+        setattr(namespace, self.dest, values)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagedlm")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _row_help(row: opt.Flag, defaults: object) -> str:
+    """A row's help, its environment variable, and its default unless the help says it."""
+    if "default" in row.help:
+        return f"{row.help} (env {row.env})"
+    return f"{row.help} (env {row.env}; default {_shown(getattr(defaults, row.name))})"
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=f"built-in name, .gguf file or HF folder (default {opt.DEFAULT_MODEL})")
-    p.add_argument("--device", default=None, help="auto (default), cpu or cuda")
-    p.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="auto (default: CUDA when present), cpu or cuda")
+    p.add_argument("--dtype", default=None,
+                   help="auto (default: float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     _add_quantization_arg(p)
 
 
@@ -44,13 +100,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"page full-attention KV caches (env {opt.PAGED_KV_ENV}=1|0; default off)")
     p.add_argument("--paged-kv-block-size", default=None, metavar="N",
                    help=f"tokens per KV block (default {opt.DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=None,
                    help=f"paged KV: share the blocks of common prefixes between requests "
                         f"(env {opt.PREFIX_CACHING_ENV}=1|0; default on with --paged-kv)")
     for row in opt.ENGINE_FLAGS:
-        p.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
+        p.add_argument(opt.flag_name(row.name), dest=row.name, default=None,
                        action=argparse.BooleanOptionalAction if row.switch else "store",
-                       help=f"{row.help} (env {row.env})")
+                       help=_row_help(row, opt.EngineOptions()))
 
 
 def _add_random_weights(p: argparse.ArgumentParser) -> None:
@@ -65,17 +122,21 @@ def _engine_options(args, **fixed) -> opt.EngineOptions:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", action=_AtLeast, default=256, help="most tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 (or below 1e-5) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]; 1 is off")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 is off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below P times the best token's probability; 0 is off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL-style penalty on tokens already seen; 1 is off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds the request's own generator: same seed, same output (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedlm", description="Run and serve language models, with an optional paged KV cache.")
+    parser.add_argument("--version", action="version", version=f"pagedlm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")
@@ -83,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     _add_engine_args(g)
     g.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
-    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--system", default=None, help="system message (needs --chat)")
     g.add_argument("prompt", help="the prompt; - reads standard input")
 
     c = sub.add_parser("chat", help="interactive chat that keeps the conversation's KV cache")
@@ -94,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     for row in opt.SERVER_FLAGS:
-        s.add_argument("--" + row.name.replace("_", "-"), dest=row.name, default=None,
-                       help=f"{row.help} (env {row.env})")
+        s.add_argument(opt.flag_name(row.name), dest=row.name, default=None, nargs=row.nargs,
+                       help=_row_help(row, opt.ServerOptions()))
     _add_engine_args(s)
 
     b = sub.add_parser("bench", help="measure speed")
@@ -104,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(with --paged-kv: paged and default caches, interleaved)")
     _add_model_args(d)
     _add_engine_args(d)
-    d.add_argument("--prompt-len", type=int, nargs="+", default=[256], help="one or more prompt lengths")
-    d.add_argument("--gen-len", type=int, default=64)
-    d.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
+    d.add_argument("--prompt-len", action=_AtLeast, nargs="+", default=[256], help="one or more prompt lengths")
+    d.add_argument("--gen-len", action=_AtLeast, low=2, default=64,
+                   help="tokens generated per run (end-of-sequence ignored)")
+    d.add_argument("--repeats", action=_AtLeast, default=3, help="runs per configuration; medians are reported")
     d.add_argument("--against", choices=["hf", "llama.cpp"], default=None,
                    help="also time transformers' generate on the same weights (hf) or "
                         "llama-cpp-python on the same GGUF (llama.cpp), interleaved")
@@ -118,19 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "continuous batching, same run")
     _add_model_args(t)
     _add_engine_args(t)
-    t.add_argument("--num-prompts", type=int, default=256)
-    t.add_argument("--min-len", type=int, default=100, help="shortest prompt and output, tokens")
-    t.add_argument("--max-len", type=int, default=1024, help="longest prompt and output, tokens")
+    t.add_argument("--num-prompts", action=_AtLeast, default=256, help="prompts in the batch")
+    t.add_argument("--min-len", action=_AtLeast, default=100, help="shortest prompt and output, tokens")
+    t.add_argument("--max-len", action=_AtLeast, default=1024, help="longest prompt and output, tokens")
     t.add_argument("--seed", type=int, default=0, help="seeds the prompts and lengths")
-    t.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved; medians reported")
+    t.add_argument("--repeats", action=_AtLeast, default=1,
+                   help="runs per configuration, interleaved; medians reported")
     t.add_argument("--stores", choices=["both", "paged"], default="both",
                    help="with --paged-kv: run the default store too (both, the default) or only the paged one")
     t.add_argument("--against", choices=["hf"], default=None,
                    help="also run transformers' continuous batching on the same weights and prompts")
-    t.add_argument("--hf-num-prompts", type=int, default=None, metavar="N",
-                   help="give transformers only the first N prompts (when it is too slow for all)")
+    t.add_argument("--hf-num-prompts", action=_AtLeast, default=None, metavar="N",
+                   help="give transformers only the first N prompts, when it is too slow for all (default: all)")
     t.add_argument("--hf-timeout", type=float, default=None, metavar="S",
-                   help="give up on transformers' run after S seconds (reported as an error)")
+                   help="give up on transformers' run after S seconds, reported as an error (default: no limit)")
     _add_random_weights(t)
     t.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
@@ -138,11 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "default store, paged store, padded batch")
     _add_model_args(m)
     _add_engine_args(m)
-    m.add_argument("--short-len", type=int, default=50, help="prompt tokens of a short request")
-    m.add_argument("--long-len", type=int, default=4000, help="prompt tokens of a long request")
-    m.add_argument("--num-short", type=int, default=64)
-    m.add_argument("--num-long", type=int, default=2)
-    m.add_argument("--max-tokens", type=int, default=8, help="tokens each request generates")
+    m.add_argument("--short-len", action=_AtLeast, default=50, help="prompt tokens of a short request")
+    m.add_argument("--long-len", action=_AtLeast, default=4000, help="prompt tokens of a long request")
+    m.add_argument("--num-short", action=_AtLeast, default=64, help="short requests")
+    m.add_argument("--num-long", action=_AtLeast, default=2, help="long requests")
+    m.add_argument("--max-tokens", action=_AtLeast, default=8, help="tokens each request generates")
     m.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     _add_random_weights(m)
     m.add_argument("--json", action="store_true", help="one JSON object per store")
@@ -152,15 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "a cold request, a multi-turn chat (prefill tokens per turn)")
     _add_model_args(px)
     _add_engine_args(px)
-    px.add_argument("--num-requests", type=int, default=32, help="requests sharing the system prompt")
-    px.add_argument("--prefix-len", type=int, default=2000, help="tokens of the shared system prompt")
-    px.add_argument("--question-len", type=int, default=50, help="tokens of each request's own question "
+    px.add_argument("--num-requests", action=_AtLeast, default=32, help="requests sharing the system prompt")
+    px.add_argument("--prefix-len", action=_AtLeast, default=2000, help="tokens of the shared system prompt")
+    px.add_argument("--question-len", action=_AtLeast, default=50, help="tokens of each request's own question "
                     "(and of each chat turn's user message)")
-    px.add_argument("--max-tokens", type=int, default=8, help="tokens each shared request generates")
-    px.add_argument("--repeats", type=int, default=3, help="cold / hit pairs timed alone; medians reported")
-    px.add_argument("--turns", type=int, default=10, help="chat turns")
-    px.add_argument("--chat-system-len", type=int, default=500, help="tokens of the chat's system prompt")
-    px.add_argument("--reply-len", type=int, default=32, help="tokens of each chat reply")
+    px.add_argument("--max-tokens", action=_AtLeast, default=8, help="tokens each shared request generates")
+    px.add_argument("--repeats", action=_AtLeast, default=3, help="cold / hit pairs timed alone; medians reported")
+    px.add_argument("--turns", action=_AtLeast, default=10, help="chat turns")
+    px.add_argument("--chat-system-len", action=_AtLeast, default=500, help="tokens of the chat's system prompt")
+    px.add_argument("--reply-len", action=_AtLeast, default=32, help="tokens of each chat reply")
     px.add_argument("--seed", type=int, default=0, help="seeds the token ids")
     _add_random_weights(px)
     px.add_argument("--json", action="store_true", help="one JSON object per row")
@@ -172,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--kv-quant", default=None, metavar="{int8,fp8}[,...]",
                     help="also score through paged pools of these KV formats, against unquantized pools "
                          "(comma list allowed: int8,fp8)")
-    pp.add_argument("--tokens", default=20480, help="text tokens to score (default 20480)")
-    pp.add_argument("--window", default=1024, help="tokens per window, BOS included (default 1024)")
+    pp.add_argument("--tokens", action=_AtLeast, default=20480, help="text tokens to score")
+    pp.add_argument("--window", action=_AtLeast, low=16, default=1024, help="tokens per window, BOS included")
     pp.add_argument("--json", action="store_true", help="one JSON object per quantization mode")
 
     sub.add_parser("models", help="list built-in models")
@@ -183,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _sampling_options(args) -> opt.SamplingParams:
     options = opt.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=opt.check_seed(args.seed, "--seed"),
     )
-    options.validate()
+    options = options.validate()
     return options
 
 
@@ -201,14 +264,41 @@ def _load(args):
     return load(str(folder), device, dtype, quantization=quantization)
 
 
+def _prompt(args) -> str:
+    """The prompt argument, or standard input for ``-``: UTF-8 text, not empty."""
+    if args.prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CliError(f"pagedlm generate: standard input is not UTF-8 text "
+                           f"(byte {data[e.start]:#04x} at offset {e.start})") from None
+    elif not _is_utf8(args.prompt):
+        raise CliError("pagedlm generate: the prompt is not UTF-8 text")
+    else:
+        prompt = args.prompt
+    if not prompt:
+        raise CliError("pagedlm generate: the prompt is empty")
+    return prompt
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text holding bytes that are not UTF-8 (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def cmd_generate(args) -> int:
     from .batch.engine import LLMEngine
 
+    if args.system is not None and not args.chat:
+        raise CliError("pagedlm generate: --system is a chat message: it needs --chat")
     engine_options = _engine_options(args)
     options = _sampling_options(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt:
-        raise CliError("pagedlm generate: the prompt is empty")
+    prompt = _prompt(args)
     model, tokenizer = _load(args)
     engine = LLMEngine(model, tokenizer, engine_options)
     if args.chat:
@@ -217,13 +307,73 @@ def cmd_generate(args) -> int:
     else:
         ids = tokenizer.encode(prompt)
     last = None
-    for last in engine.stream(ids, options):
+    for last in _stream(engine, ids, options):
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
     _print_stats(last)
     return 0
+
+
+class _PrefillBar:
+    """A sequence's prefill progress on stderr, once it has taken PREFILL_BAR_AFTER_S."""
+
+    def __init__(self, seq) -> None:
+        self.seq, self.started, self.bar = seq, time.perf_counter(), None
+
+    def update(self) -> None:
+        seq = self.seq
+        if seq.num_computed >= seq.num_prompt:
+            self.close()
+            return
+        if self.bar is None and time.perf_counter() - self.started >= PREFILL_BAR_AFTER_S:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=seq.num_prompt, initial=seq.num_computed, desc="prefill", unit="tok",
+                            file=sys.stderr, leave=False)
+        if self.bar is not None:
+            self.bar.update(seq.num_computed - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class _Interrupt:
+    """While active, Ctrl-C asks the reply to stop after the engine's current
+    step (never mid-step); a second Ctrl-C interrupts as usual."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __enter__(self) -> "_Interrupt":
+        self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.hit = True
+        signal.signal(signal.SIGINT, self.previous)
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def _stream(engine, ids: list[int], options: opt.SamplingParams,
+            interrupt: _Interrupt | None = None) -> Iterator:
+    """`LLMEngine.stream` with a prefill bar; stops (aborting the sequence) when ``interrupt`` is hit."""
+    (seq,) = engine.add_request(ids, options)
+    bar = _PrefillBar(seq)
+    try:
+        while not seq.is_finished and not (interrupt is not None and interrupt.hit):
+            bar.update()
+            for out in engine.step():
+                if out.seq is seq:
+                    yield out
+    finally:
+        bar.close()
+        engine.abort(seq)
 
 
 def _print_stats(r) -> None:
@@ -247,31 +397,42 @@ def cmd_chat(args) -> int:
     model, tokenizer = _load(args)
     engine = LLMEngine(model, tokenizer, engine_options)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("Type a message; Ctrl-D or /exit quits, /reset starts over.", file=sys.stderr)
+    print("Type a message; Ctrl-C stops a reply, Ctrl-D or /exit quits, /reset starts over.", file=sys.stderr)
     while True:
         try:
             line = input(">>> ")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        except UnicodeDecodeError:  # a strict locale's standard input
+            line = None
+        if line is None or not _is_utf8(line):
+            print("pagedlm: that line is not UTF-8 text", file=sys.stderr)
+            continue
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if args.system else []
+            print("conversation reset", file=sys.stderr)
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        ids = tokenizer.encode_chat(messages)
+        turn = messages + [{"role": "user", "content": line}]
         reply, last = [], None
-        for last in engine.stream(ids, options):
-            sys.stdout.write(last.text)
-            sys.stdout.flush()
-            reply.append(last.text)
+        try:
+            with _Interrupt() as interrupt:  # Ctrl-C stops this reply; what was shown stays in the conversation
+                for last in _stream(engine, tokenizer.encode_chat(turn), options, interrupt):
+                    sys.stdout.write(last.text)
+                    sys.stdout.flush()
+                    reply.append(last.text)
+        except opt.OptionError as e:  # e.g. the conversation outgrew max_model_len: say so, keep it
+            print(f"error: {e}", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         _print_stats(last)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        if reply or not interrupt.hit:  # a reply stopped before its first word leaves no turn
+            messages = turn + [{"role": "assistant", "content": "".join(reply)}]
 
 
 def cmd_serve(args) -> int:

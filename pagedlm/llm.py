@@ -1,8 +1,16 @@
-"""The offline API, as vLLM users know it: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+"""The offline API, as vLLM users know it: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+A vLLM script runs with its import changed to ``from pagedlm import LLM,
+SamplingParams``: the same prompt forms, the same output shapes, vLLM's
+keyword spellings. Where it differs: docs/cli.md, "Offline API".
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 
@@ -10,7 +18,20 @@ from . import options as opt
 from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
 from .cache.store import kv_bytes
-from .options import SamplingParams
+from .options import EngineOptions, OptionError, SamplingParams
+
+
+@dataclass
+class Logprob:
+    """One token's score at one position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None  # among the whole vocabulary: 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One position's scores: token id -> Logprob, the chosen token first, then the top k.
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -18,16 +39,23 @@ class CompletionOutput:
     index: int  # which of the request's n continuations
     text: str
     token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs; None unless logprobs were asked for
+    logprobs: list[PositionLogprobs] | None  # one per generated token
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS, length
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
-    prompt: str | None
+    request_id: str
+    prompt: str | None  # None for a prompt given as token ids
     prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None  # None first: the first token has no context
     outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprob] | None = None
+    finished: bool = True
     num_cached_tokens: int = 0
 
 
@@ -53,13 +81,33 @@ class KVStats:
         return self.kv_bytes_live / self.kv_bytes_allocated if self.kv_bytes_allocated else 0.0
 
 
+# vLLM's kv_cache_dtype -> our kv_quant ("int8" is ours; vLLM has no int8 KV).
+KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8"}
+# What an EngineOptions sets: given engine_options=, none of these may be given too.
+_ENGINE_KEYWORDS = ("paged_kv", "block_size", "kv_quant", "prefix_caching", "max_num_seqs",
+                    "max_num_batched_tokens", "kv_budget_bytes", "gpu_memory_fraction", "gpu_memory_utilization",
+                    "max_model_len", "attention_backend", "enforce_eager", "enable_prefix_caching",
+                    "kv_cache_dtype")
+_PROMPT_FORMS = ("a prompt is a str, a list of token ids (ints), {'prompt': str} or "
+                 "{'prompt_token_ids': [int, ...]}; many prompts are a list of these")
+
+
 class LLM:
+    """A model and an engine over it; ``generate`` and ``chat`` run batches to the end.
+
+    ``model``: a built-in name, a .gguf path or a Hugging Face folder, or a
+    loaded module (then ``tokenizer=`` too). The keywords are our engine
+    options, plus vLLM's spellings where they mean the same thing
+    (``enable_prefix_caching``, ``kv_cache_dtype``, ``gpu_memory_utilization``,
+    ``seed``, ``served_model_name``, ``tensor_parallel_size=1``);
+    ``engine_options=`` gives all the engine's options at once instead."""
+
     def __init__(
         self,
         model: str | torch.nn.Module = opt.DEFAULT_MODEL,
         *,
         tokenizer=None,
-        paged_kv: bool = False,
+        paged_kv: bool | None = None,
         block_size: int | None = None,
         kv_quant: str | None = None,
         prefix_caching: bool | None = None,
@@ -67,61 +115,184 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         kv_budget_bytes: int | None = None,
         gpu_memory_fraction: float | None = None,
+        gpu_memory_utilization: float | None = None,
         max_model_len: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
+        quantization: str | None = None,
         attention_backend: str | None = None,
         enforce_eager: bool | None = None,
+        enable_prefix_caching: bool | None = None,
+        kv_cache_dtype: str | None = None,
+        seed: int | None = None,
+        served_model_name: str | list[str] | None = None,
+        tensor_parallel_size: int = 1,
+        engine_options: EngineOptions | None = None,
     ) -> None:
+        given = {k: v for k, v in locals().items() if k in _ENGINE_KEYWORDS and v is not None}
+        if tensor_parallel_size != 1:
+            raise OptionError(f"tensor_parallel_size={tensor_parallel_size!r}: pagedlm runs a model on one device")
+        if tokenizer is not None and isinstance(tokenizer, str):
+            raise TypeError("tokenizer= takes a tokenizer object; a name or path is not supported "
+                            "(the model's own tokenizer is used by default)")
+        quantization = opt.check_quantization(quantization or "none", "quantization")
+        if isinstance(model, str):
+            dev = opt.resolve_device(device)
+        else:
+            if tokenizer is None:
+                raise OptionError("LLM(model=<module>) needs tokenizer=")
+            dev = _check_module(model, device, dtype, quantization)
+        if engine_options is not None:
+            if given:
+                raise OptionError(f"engine_options= sets the engine's options; drop {', '.join(given)} "
+                                  f"(or set them in the EngineOptions)")
+            options = engine_options
+        else:
+            options = opt.resolve_engine_options(
+                {"paged_kv": paged_kv, "paged_kv_block_size": block_size,
+                 "kv_quant": _alias(kv_quant, "kv_quant", kv_cache_dtype, "kv_cache_dtype", _kv_cache_dtype),
+                 "prefix_caching": _alias(prefix_caching, "prefix_caching", enable_prefix_caching,
+                                          "enable_prefix_caching", bool),
+                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                 "kv_budget_bytes": kv_budget_bytes, "gpu_memory_fraction": gpu_memory_fraction,
+                 "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+                 "attention_backend": attention_backend, "enforce_eager": enforce_eager},
+                environ={}, device=dev)
+        self._seeds = None if opt.check_seed(seed) is None else random.Random(seed)
         if isinstance(model, str):
             from .loading import load
 
-            dev = opt.resolve_device(device)
-            model, tokenizer = load(model, dev, opt.resolve_dtype(dtype, dev))
-        elif tokenizer is None:
-            raise opt.OptionError("LLM(model=<module>) needs tokenizer=")
-        flags = {"paged_kv": paged_kv, "paged_kv_block_size": block_size, "kv_quant": kv_quant,
-                 "prefix_caching": prefix_caching, "max_num_seqs": max_num_seqs,
-                 "max_num_batched_tokens": max_num_batched_tokens, "kv_budget_bytes": kv_budget_bytes,
-                 "gpu_memory_fraction": gpu_memory_fraction, "attention_backend": attention_backend,
-                 "enforce_eager": enforce_eager}
-        options = opt.resolve_engine_options(flags, environ={}, max_model_len=max_model_len)
+            name = model
+            model, loaded_tokenizer = load(model, dev, opt.resolve_dtype(dtype, dev), quantization)
+            tokenizer = tokenizer or loaded_tokenizer
+        else:
+            name = None
+        if isinstance(served_model_name, list):
+            served_model_name = served_model_name[0] if served_model_name else None
+        self.served_model_name: str | None = served_model_name or name
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, options)
         self.stats = KVStats()
+        self._requests = 0  # vLLM's request ids: "0", "1", ... over this LLM's life
+        self._token_text: dict[int, str] = {}
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- generation ---------------------------------------------------------
 
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: str | list[int] | dict | list[str | list[int] | dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. Prompts are strings or token-id lists."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise opt.OptionError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        """One output per prompt, in order. A prompt is a string, a list of
+        token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``;
+        anything else raises `TypeError` / `ValueError` before any is queued.
+        ``use_tqdm``: a progress bar, or a callable that makes one (as tqdm)."""
+        parsed = [self._parse(p, i) for i, p in enumerate(_prompt_list(prompts))]
+        params = self._params(sampling_params, len(parsed))
         engine = self.engine
-        requests: list[tuple[str | None, list[int], list[Sequence]]] = []
+        requests: list[tuple[str, str | None, list[int], list[Sequence]]] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                requests.append((prompt if isinstance(prompt, str) else None, ids,
-                                 engine.add_request(ids, p or SamplingParams())))
-            self._run(sum(len(r[2]) for r in requests), use_tqdm)
+            for (text, ids), p in zip(parsed, params):
+                request_id = str(self._requests)
+                self._requests += 1
+                requests.append((request_id, text, ids, engine.add_request(ids, p, request_id)))
+            self._run([seq for *_, seqs in requests for seq in seqs], use_tqdm)
         finally:
-            for _, _, seqs in requests:  # an exception (or Ctrl-C) leaves nothing running
+            for *_, seqs in requests:  # an exception (or Ctrl-C) leaves nothing running
                 for seq in seqs:
                     engine.abort(seq)
         return [self._output(*r) for r in requests]
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` over conversations: one (a list of message dicts) or
+        a list of them, each rendered by the tokenizer's chat template (or
+        ``chat_template``, a Jinja string); ``chat_template_kwargs`` reach
+        the template as variables. ``prompt`` is the rendered prompt."""
+        conversations = _conversations(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
+            c, add_generation_prompt, continue_final_message=continue_final_message, chat_template=chat_template,
+            **(chat_template_kwargs or {}))} for c in conversations]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out in outputs:
+            out.prompt = self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return outputs
+
+    # -- inputs -------------------------------------------------------------
+
+    def _parse(self, prompt: object, i: int) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of prompt ``i`` in one of vLLM's forms."""
+        if isinstance(prompt, dict):
+            extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"}, key=str)
+            if extra:
+                raise ValueError(f"prompt {i}: {', '.join(map(repr, extra))} not supported "
+                                 f"(text only: give 'prompt' or 'prompt_token_ids')")
+            if len(prompt) != 1:
+                raise ValueError(f"prompt {i}: give one of 'prompt' and 'prompt_token_ids' (got {len(prompt)})")
+            ((key, prompt),) = prompt.items()
+            if key == "prompt" and not isinstance(prompt, str):
+                raise TypeError(f"prompt {i}: 'prompt' must be a str (got {type(prompt).__name__})")
+            if key == "prompt_token_ids" and not isinstance(prompt, list):
+                raise TypeError(f"prompt {i}: 'prompt_token_ids' must be a list of ints "
+                                f"(got {type(prompt).__name__})")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list):
+            text, ids = None, self._token_ids(prompt, i)
+        else:
+            raise TypeError(f"prompt {i} has type {type(prompt).__name__}: {_PROMPT_FORMS}")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        return text, ids
+
+    def _token_ids(self, ids: list, i: int) -> list[int]:
+        vocab = self.model.args.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompt {i}: token ids must be ints (got {t!r}, a {type(t).__name__})")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary (0 to {vocab - 1})")
+        return list(ids)
+
+    def _params(self, given: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt. A request without a seed gets the
+        next draw of ``LLM(seed=)``'s generator: the same script, the same output."""
+        params = given if isinstance(given, list) else [given] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts: give one, or one per prompt")
+        out = []
+        for p in params:
+            p = SamplingParams() if p is None else p
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams or a list of them (got {type(p).__name__})")
+            if p.seed is None and self._seeds is not None:
+                p = replace(p, seed=self._seeds.getrandbits(63))
+            out.append(p)
+        return out
+
+    # -- the run ------------------------------------------------------------
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool | Callable[..., Any]) -> None:
         from tqdm import tqdm
 
         engine, stats = self.engine, KVStats()
         preempted = engine.num_preemptions
-        with tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm) as bar:
+        make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(disable=not use_tqdm, **kw)
+        start = shown = time.perf_counter()
+        with make(total=len(seqs), desc="generate", unit="seq", dynamic_ncols=True) as bar:
             while engine.has_unfinished():
                 outs = engine.step()
                 usage = engine.kv_usage()
@@ -132,6 +303,10 @@ class LLM:
                 stats.kv_bytes_padded += self._padded_bytes(running)
                 stats.peak_kv_bytes_allocated = max(stats.peak_kv_bytes_allocated, usage.allocated)
                 stats.peak_running = max(stats.peak_running, len(running))
+                now = time.perf_counter()
+                if not bar.disable and (now - shown >= bar.mininterval or not engine.has_unfinished()):
+                    bar.set_postfix_str(_speed(seqs, now - start))
+                    shown = now
                 bar.update(sum(1 for o in outs if o.finish_reason is not None))
         if stats.steps:
             for name in ("kv_bytes_allocated", "kv_bytes_live", "kv_bytes_padded"):
@@ -146,10 +321,104 @@ class LLM:
         longest = max(seq.max_len for seq in running)
         return kv_bytes(self.engine.specs, self.engine.bytes_per_token, [longest]) * len(running)
 
-    def _output(self, prompt, ids, seqs: list[Sequence]) -> RequestOutput:
-        outputs = [CompletionOutput(i, seq.text, list(seq.output_ids), seq.finish_reason, seq.logprobs)
-                   for i, seq in enumerate(seqs)]
-        return RequestOutput(prompt, ids, outputs, seqs[0].prompt_logprobs, seqs[0].num_cached)
+    # -- outputs ------------------------------------------------------------
+
+    def _output(self, request_id: str, prompt: str | None, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
+        first = seqs[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [self._position(*s) for s in
+                                        zip(ids[1:], first.prompt_logprobs, first.prompt_logprob_ranks)]
+        outputs = []
+        for i, seq in enumerate(seqs):
+            logprobs = cumulative = None
+            if seq.logprobs is not None:
+                logprobs = [self._position(*s) for s in zip(seq.output_ids, seq.logprobs, seq.logprob_ranks)]
+                cumulative = sum(lp for lp, _ in seq.logprobs)
+            outputs.append(CompletionOutput(i, seq.text, list(seq.output_ids), cumulative, logprobs,
+                                            seq.finish_reason, seq.stop_reason))
+        return RequestOutput(request_id, prompt, ids, prompt_logprobs, outputs, True, first.num_cached)
+
+    def _position(self, token: int, scored: TokenLogprob, rank: int) -> PositionLogprobs:
+        """vLLM's dict for one position: the token there, then the top k by rank."""
+        chosen, top = scored
+        out = {token: Logprob(chosen, rank, self._decoded(token))}
+        for r, (t, lp) in enumerate(top, 1):
+            if t != token:
+                out[t] = Logprob(lp, r, self._decoded(t))
+        return out
+
+    def _decoded(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "KVStats"]
+def _alias(ours: object, our_name: str, vllms: object, vllm_name: str, convert: Callable) -> object:
+    """One option given by our name or by vLLM's, not both."""
+    if vllms is None:
+        return ours
+    if ours is not None:
+        raise OptionError(f"{our_name}= and {vllm_name}= (vLLM's name) are one option: give one")
+    return convert(vllms)
+
+
+def _kv_cache_dtype(name: object) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise OptionError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)} (got {name!r})")
+    return KV_CACHE_DTYPES[name]
+
+
+def _check_module(model: torch.nn.Module, device: str | None, dtype: str | None, quantization: str) -> str:
+    """A loaded module runs where and as it is: device=, dtype= and
+    quantization= may only say what it already is. Its device, resolved."""
+    param = next(model.parameters())
+    if device not in (None, "", "auto") and torch.device(opt.resolve_device(device)).type != param.device.type:
+        raise OptionError(f"device={device!r}, but the model given is on {param.device}: move it first")
+    if dtype not in (None, "", "auto") and opt.resolve_dtype(dtype, param.device.type) != param.dtype:
+        raise OptionError(f"dtype={dtype!r}, but the model given is {param.dtype}: convert it first")
+    if quantization != "none":
+        raise OptionError(f"quantization={quantization!r} applies when LLM loads the model by name; quantize "
+                          f"a loaded module first (pagedlm.loading.quant.quantize_model)")
+    return param.device.type
+
+
+def _prompt_list(prompts: object) -> list:
+    """vLLM's batching: one prompt (a string, token ids, a dict), or a list of them."""
+    if isinstance(prompts, list):
+        if not prompts:
+            raise ValueError("no prompts: give a prompt or a non-empty list of them")
+        if isinstance(prompts[0], (int, float)):  # token ids (a float among them is refused as one)
+            return [prompts]
+        return prompts
+    return [prompts]
+
+
+def _conversations(messages: object) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them."""
+    if isinstance(messages, list) and messages and not isinstance(messages[0], list):
+        messages = [messages]
+    if not isinstance(messages, list) or not messages:
+        raise TypeError("messages must be a conversation (a non-empty list of message dicts) or a list of them")
+    for i, conversation in enumerate(messages):
+        if not isinstance(conversation, list) or not conversation:
+            raise TypeError(f"conversation {i} must be a non-empty list of message dicts")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict):
+                raise TypeError(f"conversation {i}, message {j} is a {type(message).__name__}: a message is a "
+                                f"dict with 'role' and 'content'")
+    return messages
+
+
+def _speed(seqs: list[Sequence], seconds: float) -> str:
+    """Prompt tokens computed and tokens generated so far, and their rates:
+    a long prefill shows progress before any sequence finishes."""
+    prompt = sum(min(s.num_computed, s.num_prompt) for s in seqs)
+    output = sum(len(s.output_ids) for s in seqs)
+    seconds = max(seconds, 1e-9)
+    return (f"input {prompt} toks ({prompt / seconds:.0f} toks/s), "
+            f"output {output} toks ({output / seconds:.0f} toks/s)")
+
+
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "KVStats"]

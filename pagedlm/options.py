@@ -10,8 +10,10 @@ mirrors `REFUSALS` row for row.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
@@ -71,8 +73,8 @@ class SamplingParams:
     plus the top k.
     """
 
-    max_tokens: int = 256  # 0 with prompt_logprobs: score the prompt, generate nothing
-    temperature: float = 0.0  # 0 = greedy; validate() makes < GREEDY_BELOW_TEMPERATURE 0
+    max_tokens: int = 16  # vLLM's default; 0 with prompt_logprobs: score the prompt, generate nothing
+    temperature: float = 0.0  # 0 = greedy (vLLM's default is 1.0); validate() makes < GREEDY_BELOW_TEMPERATURE 0
     top_k: int = 0  # 0 = off (-1 is accepted as off too, as vLLM spells it)
     top_p: float = 1.0
     min_p: float = 0.0
@@ -86,25 +88,34 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    # Until this many tokens are out: EOS and stop_token_ids are never sampled, stop strings not matched.
+    min_tokens: int = 0
+    # Token id -> added to its logit before anything else (validate() clamps to OpenAI's [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (tokenized as vLLM does: sampling.bad_words_ids)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) at the end
+    skip_special_tokens: bool = True  # special tokens add no text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
-    def validate(self) -> None:
-        """Raise `OptionError` naming the first bad field; then make a
-        temperature too small to divide by exactly 0 (greedy), so that every
-        sampler sees one meaning of it."""
-        if self.top_k == -1:
-            self.top_k = 0
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+    def validate(self) -> "SamplingParams":
+        """A validated copy (the caller's object is left as it is): raise
+        `OptionError` naming the first bad field ("<field> must ..."); spell
+        each value one way (top_k -1 -> 0, a stop string -> a list, logit_bias
+        clamped, a temperature too small to divide by -> 0, greedy), so that
+        every sampler sees one meaning of it."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise OptionError(f"{name} must be a finite number (got {value})")
+        top_k = 0 if self.top_k == -1 else self.top_k
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         checks: list[tuple[bool, str]] = [
             (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
              f"max_tokens must be >= 1, or 0 to only score the prompt (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
-            (self.top_k >= 0, f"top_k must be >= 0 (got {self.top_k})"),
+            (top_k >= 0, f"top_k must be >= 0 (got {self.top_k})"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p})"),
             (self.repetition_penalty > 0,
@@ -118,21 +129,65 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in [0, 20] (got {self.prompt_logprobs})"),
             (self.n >= 1, f"n must be >= 1 (got {self.n})"),
+            (all(isinstance(s, str) for s in stop), f"stop must be a string or a list of strings (got {self.stop!r})"),
+            (_token_ids(self.stop_token_ids),
+             f"stop_token_ids must be a list of token ids (integers >= 0) (got {self.stop_token_ids!r})"),
+            (_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}) (got {self.min_tokens!r})"),
+            (self.allowed_token_ids is None or (_token_ids(self.allowed_token_ids) and self.allowed_token_ids),
+             f"allowed_token_ids must be a non-empty list of token ids (integers >= 0) "
+             f"(got {self.allowed_token_ids!r})"),
+            (self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
+                                        and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+             f"bad_words must be a list of non-blank strings (got {self.bad_words!r})"),
+            (self.truncate_prompt_tokens is None or (_int(self.truncate_prompt_tokens)
+                                                     and self.truncate_prompt_tokens >= 1),
+             f"truncate_prompt_tokens must be an integer >= 1 (got {self.truncate_prompt_tokens!r})"),
         ]
         for ok, message in checks:
             if not ok:
                 raise OptionError(message)
-        if self.temperature < GREEDY_BELOW_TEMPERATURE:
-            self.temperature = 0.0
-
+        check_seed(self.seed)
+        return replace(
+            self, top_k=top_k, stop=stop, stop_token_ids=list(self.stop_token_ids),
+            temperature=0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature,
+            logit_bias=_clamped_bias(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            bad_words=None if self.bad_words is None else list(self.bad_words),
+        )
 
     def continuations(self) -> list["SamplingParams"]:
         """One single-sequence copy per continuation; with a seed, continuation
-        ``i`` draws with ``seed + i``: n different outputs, each reproducible."""
+        ``i`` draws with ``seed + i`` (modulo 2**64, which seeds torch's
+        generator the same): n different outputs, each reproducible."""
         if self.n == 1:
             return [self]
-        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+        return [replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**64)
                 for i in range(self.n)]
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(ids: object) -> bool:
+    return isinstance(ids, (list, tuple)) and all(_int(i) and i >= 0 for i in ids)
+
+
+def _clamped_bias(bias: object) -> dict[int, float] | None:
+    """logit_bias as token id -> a finite bias in [-100, 100] (OpenAI clamps), else `OptionError`."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise OptionError(f"logit_bias must map token ids to biases (got {bias!r})")
+    out = {}
+    for token, value in bias.items():
+        if not (_int(token) and token >= 0):
+            raise OptionError(f"logit_bias must have token ids (integers >= 0) as keys (got {token!r})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise OptionError(f"logit_bias must have finite numbers as values (got {value!r} for {token})")
+        out[token] = float(min(100.0, max(-100.0, value)))
+    return out
 
 
 # The first API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).
@@ -141,6 +196,11 @@ GenerateOptions = SamplingParams
 
 # ---------------------------------------------------------------------------
 # Parsing helpers shared by the CLI, the environment and the server.
+
+
+def flag_name(name: str) -> str:
+    """The command-line spelling of an option: max_num_seqs -> --max-num-seqs."""
+    return "--" + name.replace("_", "-")
 
 
 def positive_int(text: str | int, name: str) -> int:
@@ -153,17 +213,34 @@ def positive_int(text: str | int, name: str) -> int:
     return value
 
 
+SWITCH_ON, SWITCH_OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")  # any case
+
+
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
-    """An explicit 1/0 (true/false, on/off) environment switch; None when unset."""
+    """An explicit environment switch (`SWITCH_ON` / `SWITCH_OFF`); None when unset."""
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or raw == "":
         return None
     low = raw.strip().lower()
-    if low in ("1", "true", "on", "yes"):
+    if low in SWITCH_ON:
         return True
-    if low in ("0", "false", "off", "no"):
+    if low in SWITCH_OFF:
         return False
-    raise OptionError(f"{name} must be 1 or 0 (got {raw!r})")
+    spellings = ", ".join(x for pair in zip(SWITCH_ON, SWITCH_OFF) for x in pair)
+    raise OptionError(f"{name} must be one of {spellings} (got {raw!r})")
+
+
+# torch.Generator.manual_seed's range, and the server's `seed` field's.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def check_seed(seed: object, name: str = "seed") -> int | None:
+    """None, or an integer torch.Generator.manual_seed accepts; else `OptionError`."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
+        raise OptionError(f"{name} must be an integer from -2**63 to 2**64 - 1 (got {seed!r})")
+    return seed
 
 
 def resolve_paged_kv(
@@ -174,12 +251,17 @@ def resolve_paged_kv(
 ) -> PagedKvOptions | None:
     """Explicit CLI flag > explicit PAGEDLM_PAGED_KV (PAGEDLM_PREFIX_CACHING)
     > default (paging off; prefix caching on with paging)."""
-    on = flag if flag is not None else env_flag(PAGED_KV_ENV, environ)
+    env = os.environ if environ is None else environ
+    on = flag if flag is not None else env_flag(PAGED_KV_ENV, env)
+    set_by = {}
     if prefix_caching is None:
-        prefix_caching = env_flag(PREFIX_CACHING_ENV, environ)
+        prefix_caching = env_flag(PREFIX_CACHING_ENV, env)
+        if prefix_caching is not None:
+            set_by["prefix_caching"] = f"{PREFIX_CACHING_ENV}={env[PREFIX_CACHING_ENV]}"
     if block_size is not None:
         block_size = check_block_size(positive_int(block_size, "--paged-kv-block-size"))
-    check_refusals({"paged_kv": bool(on), "paged_kv_block_size": block_size, "prefix_caching": prefix_caching})
+    check_refusals({"paged_kv": bool(on), "paged_kv_block_size": block_size, "prefix_caching": prefix_caching},
+                   set_by)
     if not on:
         return None
     return PagedKvOptions(block_size=block_size or DEFAULT_BLOCK_SIZE, prefix_caching=prefix_caching is not False)
@@ -276,6 +358,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "--gpu-memory-fraction sizes the KV budget from CUDA memory; on the CPU give --kv-budget-bytes",
     ),
     Refusal(
+        "GPU memory utilization with another KV budget",
+        lambda s: s.get("gpu_memory_utilization") is not None
+        and (s.get("kv_budget_bytes") is not None or s.get("gpu_memory_fraction") is not None),
+        "--gpu-memory-utilization, --kv-budget-bytes and --gpu-memory-fraction each size the KV budget; give one",
+    ),
+    Refusal(
+        "GPU memory utilization off CUDA",
+        lambda s: s.get("device") == "cpu" and s.get("gpu_memory_utilization") is not None,
+        "--gpu-memory-utilization sizes the KV budget from CUDA memory; on the CPU give --kv-budget-bytes",
+    ),
+    Refusal(
         "triton attention without paging",
         lambda s: s.get("attention_backend") == "triton" and not s.get("paged_kv"),
         "--attention-backend triton reads the paged pools; add --paged-kv",
@@ -299,11 +392,15 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def check_refusals(settings: Settings) -> None:
-    """Raise `UnsupportedOption` for the first refused combination."""
+def check_refusals(settings: Settings, set_by: Mapping[str, str] | None = None) -> None:
+    """Raise `UnsupportedOption` for the first refused combination. ``set_by``:
+    the settings an environment variable gave (name -> "VAR=value"), which the
+    reason names where it names their flag: the user may not know they are set."""
     for refusal in REFUSALS:
         if refusal.applies(settings):
-            raise UnsupportedOption(refusal.reason)
+            sources = [source for name, source in (set_by or {}).items()
+                       if re.search(re.escape(flag_name(name)) + r"(?![\w-])", refusal.reason)]
+            raise UnsupportedOption(", ".join(sources) + ": " + refusal.reason if sources else refusal.reason)
 
 
 # ---------------------------------------------------------------------------
@@ -344,8 +441,11 @@ class EngineOptions:
     paged_kv: PagedKvOptions | None = None
     max_num_seqs: int | None = None  # rows per step
     max_num_batched_tokens: int | None = None  # new tokens per step (prefill chunks included)
+    long_prefill_token_threshold: int | None = None  # a chunk's cap while others wait; None: budget // 4, 0: none
+    max_num_partial_prefills: int = 1  # sequences whose prompt may be partly computed at once
     kv_budget_bytes: int | None = None  # KV bytes all live sequences may hold
     gpu_memory_fraction: float | None = None  # CUDA: budget = fraction of memory free after weights
+    gpu_memory_utilization: float | None = None  # CUDA (vLLM's): budget = total * it - memory in use after weights
     max_model_len: int | None = None  # prompt + max_tokens; default: the model's context
     prompt_cache_bytes: int = 0  # default store: keep finished sequences' KV for prefix reuse
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
@@ -371,6 +471,7 @@ class Flag:
     parse: Callable[[str], object]
     help: str
     switch: bool = False
+    nargs: str | None = None  # argparse's: "+" takes one or more values (a list reaches parse)
 
 
 def _switch(name: str) -> Callable[[str | bool], bool]:
@@ -389,15 +490,28 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("max_num_batched_tokens", "PAGEDLM_MAX_NUM_BATCHED_TOKENS",
                lambda t: positive_int(t, "--max-num-batched-tokens"),
                "new tokens per step; longer prompts prefill in chunks (default: 512 on CPU, 8192 on CUDA)"),
+    Flag("long_prefill_token_threshold", "PAGEDLM_LONG_PREFILL_TOKEN_THRESHOLD",
+         lambda t: _nonneg_int(t, "--long-prefill-token-threshold"),
+         "while other sequences wait, a prompt chunk takes at most this many tokens of a step "
+         "(default: a quarter of --max-num-batched-tokens; 0: no cap)"),
+    Flag("max_num_partial_prefills", "PAGEDLM_MAX_NUM_PARTIAL_PREFILLS",
+         lambda t: positive_int(t, "--max-num-partial-prefills"),
+         "sequences whose prompt may be partly prefilled at once; shorter prompts still join (default 1)"),
     Flag("kv_budget_bytes", "PAGEDLM_KV_BUDGET_BYTES", lambda t: _byte_count(t, "--kv-budget-bytes"),
                "KV bytes for all live sequences, e.g. 4G (default: 2G on CPU; on CUDA see --gpu-memory-fraction)"),
     Flag("gpu_memory_fraction", "PAGEDLM_GPU_MEMORY_FRACTION",
                lambda t: _fraction(t, "--gpu-memory-fraction"),
                "CUDA: KV budget as a fraction of the memory free after loading weights (default 0.9)"),
+    Flag("gpu_memory_utilization", "PAGEDLM_GPU_MEMORY_UTILIZATION",
+         lambda t: _fraction(t, "--gpu-memory-utilization"),
+         "CUDA, vLLM's meaning: the fraction of the GPU's total memory this process may use, weights "
+         "included; the KV budget is what of it is left after loading the weights"),
     Flag("attention_backend", "PAGEDLM_ATTENTION_BACKEND", _backend,
          "paged attention: auto (triton on CUDA), torch (gather + SDPA) or triton (in-place kernels)"),
     Flag("enforce_eager", "PAGEDLM_ENFORCE_EAGER", _switch("PAGEDLM_ENFORCE_EAGER"),
          "CUDA: run the decode step eagerly instead of replaying CUDA graphs", switch=True),
+    Flag("max_model_len", "PAGEDLM_MAX_MODEL_LEN", lambda t: positive_int(t, "--max-model-len"),
+         "context length limit (prompt + max_tokens; default: the model's)"),
     Flag("kv_quant", KV_QUANT_ENV, check_kv_quant,
          "paged store: keys and values as none, int8 or fp8 (e4m3) blocks with a scale per token and "
          "KV head (default none)"),
@@ -413,24 +527,48 @@ def resolve_engine_options(
     """Explicit flag > environment variable > the device default (applied by
     the engine). ``flags`` also carries the ``PAGED_FLAGS``;
     ``device`` (resolved) lets device refusals fire before a model loads;
-    ``fixed`` sets fields that have no flag here (max_model_len, prompt cache)."""
+    ``fixed`` sets fields that have no flag here (the prompt cache)."""
     env = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    for row in ENGINE_FLAGS:
-        value = flags.get(row.name)
-        if value is None and env.get(row.env):
-            value = env[row.env]
-        if value is not None:
-            values[row.name] = row.parse(value)
+    values, set_by = _flags_or_env(ENGINE_FLAGS, flags, env)
     paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env,
                              flags.get("prefix_caching"))
-    check_refusals({**values, "device": device, "paged_kv": paged is not None})
+    check_refusals({**values, "device": device, "paged_kv": paged is not None}, set_by)
     return EngineOptions(paged_kv=paged, **values, **fixed)
+
+
+def _flags_or_env(
+    rows: tuple[Flag, ...], flags: Mapping[str, object], env: Mapping[str, str],
+) -> tuple[dict[str, object], dict[str, str]]:
+    """Explicit flag > environment variable, for the rows given either: their
+    parsed values, and which came from a variable (name -> "VAR=value"). A bad
+    value is named by where it came from: the flag or the variable."""
+    values: dict[str, object] = {}
+    set_by: dict[str, str] = {}
+    for row in rows:
+        if flags.get(row.name) is not None:
+            values[row.name] = row.parse(flags[row.name])
+        elif env.get(row.env):
+            try:
+                values[row.name] = row.parse(env[row.env])
+            except OptionError as e:
+                raise type(e)(str(e).replace(flag_name(row.name), row.env)) from None
+            set_by[row.name] = f"{row.env}={env[row.env]}"
+    return values, set_by
 
 
 # ---------------------------------------------------------------------------
 # Server options: one row per option, with its flag, environment variable and
 # default, so that the CLI, the startup log and docs/server-config.md agree.
+
+
+def _seconds(text: str | float, name: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value < math.inf:
+        raise OptionError(f"{name} must be a number of seconds > 0 (got {text!r})")
+    return value
 
 
 def _nonneg_int(text: str | int, name: str) -> int:
@@ -463,12 +601,92 @@ SERVER_FLAGS: tuple[Flag, ...] = (
                "bytes of KV the prompt cache may keep (0 turns it off)"),
     Flag("max_queue", "PAGEDLM_MAX_QUEUE", lambda t: _nonneg_int(t, "--max-queue"),
                "sequences that may wait for the engine to admit them; past it, 503"),
+    Flag("max_prompts_per_request", "PAGEDLM_MAX_PROMPTS_PER_REQUEST",
+         lambda t: positive_int(t, "--max-prompts-per-request"),
+         "prompts one completion request may list; more is a 400 (default 64)"),
+    Flag("header_timeout", "PAGEDLM_HEADER_TIMEOUT", lambda t: _seconds(t, "--header-timeout"),
+         "seconds a connection has to send a request's headers; then it is closed (default 10)"),
+    Flag("body_timeout", "PAGEDLM_BODY_TIMEOUT", lambda t: _seconds(t, "--body-timeout"),
+         "seconds a request has to send its whole body; then 408 and the connection is closed (default 60)"),
+    Flag("max_connections", "PAGEDLM_MAX_CONNECTIONS", lambda t: positive_int(t, "--max-connections"),
+         "open connections; one more is answered 503 and closed (default 512)"),
     Flag("api_key", "PAGEDLM_API_KEY", lambda t: t or None,
                "require Authorization: Bearer KEY (empty: no authentication)"),
-    Flag("max_model_len", "PAGEDLM_MAX_MODEL_LEN",
-               lambda t: positive_int(t, "--max-model-len"),
-               "context length limit (prompt + max_tokens); default: the model's"),
+    Flag("served_model_name", "PAGEDLM_SERVED_MODEL_NAME", lambda t: _names(t, "--served-model-name"),
+         "the model ids clients may send (the first is reported; default: --model as given)", nargs="+"),
+    Flag("chat_template", "PAGEDLM_CHAT_TEMPLATE", lambda t: _chat_template_file(t, "--chat-template"),
+         "a jinja2 chat template file used instead of the model's (default: the model's)"),
+    Flag("seed", "PAGEDLM_SEED", lambda t: check_seed(_parse_int(t, "--seed"), "--seed"),
+         "seed of every request that gives none: the same request, the same output (default: random)"),
+    Flag("allowed_origins", "PAGEDLM_ALLOWED_ORIGINS", lambda t: _names(t, "--allowed-origins"),
+         "CORS: origins browsers may call from, a JSON list or comma list; * for any (default: none, CORS off)"),
+    Flag("allowed_methods", "PAGEDLM_ALLOWED_METHODS", lambda t: _names(t, "--allowed-methods"),
+         "CORS: methods allowed (needs --allowed-origins)"),
+    Flag("allowed_headers", "PAGEDLM_ALLOWED_HEADERS", lambda t: _names(t, "--allowed-headers"),
+         "CORS: request headers allowed (needs --allowed-origins)"),
+    Flag("log_level", "PAGEDLM_LOG_LEVEL", lambda t: _choice(t, LOG_LEVELS, "--log-level"),
+         "debug, info, warning, error or critical: pagedlm's and uvicorn's logs"),
+    Flag("ssl_keyfile", "PAGEDLM_SSL_KEYFILE", lambda t: _readable_file(t, "--ssl-keyfile"),
+         "TLS: the private key file (PEM); needs --ssl-certfile"),
+    Flag("ssl_certfile", "PAGEDLM_SSL_CERTFILE", lambda t: _readable_file(t, "--ssl-certfile"),
+         "TLS: the certificate file (PEM); needs --ssl-keyfile"),
 )
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _parse_int(text: str | int, name: str) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise OptionError(f"{name} must be an integer (got {text!r})") from None
+
+
+def _choice(text: str, choices: tuple[str, ...], name: str) -> str:
+    if str(text).strip().lower() not in choices:
+        raise OptionError(f"{name} must be {', '.join(choices)} (got {text!r})")
+    return str(text).strip().lower()
+
+
+def _names(value: str | list[str], name: str) -> tuple[str, ...]:
+    """One or more names: argparse's list, or one string holding a JSON list
+    or a comma-separated list (an environment variable, vLLM's CORS flags)."""
+    items = value if isinstance(value, list) else None
+    if items is None and str(value).strip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError:
+            items = None
+        if not (isinstance(items, list) and all(isinstance(i, str) for i in items)):
+            raise OptionError(f"{name} must be a JSON list of strings or a comma list (got {value!r})")
+    if items is None:
+        items = str(value).split(",")
+    names = tuple(i.strip() for i in items if i.strip())
+    if not names:
+        raise OptionError(f"{name} needs at least one name (got {value!r})")
+    return names
+
+
+def _readable_file(path: str, name: str) -> str:
+    try:
+        with open(path, "rb"):
+            return path
+    except OSError as e:
+        raise OptionError(f"{name} {path}: {e.strerror or e}") from None
+
+
+def _chat_template_file(path: str, name: str) -> str:
+    """The text of a chat template file, checked to compile."""
+    from pagedlm.tokenizer import compile_chat_template
+
+    _readable_file(path, name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        compile_chat_template(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise OptionError(f"{name} {path}: {e}") from None
+    return text
 
 
 @dataclass
@@ -481,13 +699,30 @@ class ServerOptions:
     quantization: str = DEFAULT_QUANTIZATION
     prompt_cache_bytes: int = 2 * 1024**3
     max_queue: int = 256
+    max_prompts_per_request: int = 64  # a quarter of the default --max-queue, with n = 1
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0  # 8 MiB (the body limit) at 140 KB/s
+    max_connections: int = 512  # twice CUDA's max_num_seqs; under the usual 1024 file descriptors
     api_key: str | None = None
-    max_model_len: int | None = None
+    served_model_name: tuple[str, ...] | None = None
+    chat_template: str | None = None  # the text of --chat-template's file
+    seed: int | None = None
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    log_level: str = "info"
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     @property
     def paged_kv(self) -> PagedKvOptions | None:
         return self.engine.paged_kv
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The model ids the API serves, the reported one first."""
+        return self.served_model_name or (self.model,)
 
     @classmethod
     def resolve(
@@ -498,13 +733,14 @@ class ServerOptions:
         """Explicit flag > environment variable > default, for every option."""
         env = os.environ if environ is None else environ
         opts = cls()
-        for row in SERVER_FLAGS:
-            value = flags.get(row.name)
-            if value is None and env.get(row.env):
-                value = env[row.env]
-            if value is not None:
-                setattr(opts, row.name, row.parse(value))
+        values = _flags_or_env(SERVER_FLAGS, flags, env)[0]
+        for name, value in values.items():
+            setattr(opts, name, value)
+        if (opts.ssl_keyfile is None) != (opts.ssl_certfile is None):
+            raise OptionError("--ssl-keyfile and --ssl-certfile go together: give both for TLS, or neither")
+        cors = [flag_name(n) for n in ("allowed_methods", "allowed_headers") if n in values]
+        if cors and not opts.allowed_origins:
+            raise OptionError(f"{cors[0]} needs --allowed-origins (CORS is off without it)")
         opts.engine = resolve_engine_options(flags, env, resolve_device(opts.device),
-                                             max_model_len=opts.max_model_len,
                                              prompt_cache_bytes=opts.prompt_cache_bytes)
         return opts

@@ -1,11 +1,32 @@
-"""Per-row sampling for a whole step: ``sample``.
+"""Per-row sampling for a whole step: ``sample``; what a request rules in and
+out: ``TokenRules``.
 
-Each row brings its own `SamplingParams`: penalties (repetition, CTRL-style;
-presence and frequency, OpenAI-style, over the generated tokens), then
-temperature, top-k, top-p, min-p, in the order Hugging Face applies them, so
-that a request means the same here as there. Greedy rows take the argmax.
-Sampled rows draw with their sequence's own seeded CPU generator, so a seed
-gives the same tokens whatever shares the batch.
+Each row brings its own `SamplingParams`. First its request's `TokenRules`
+(vLLM's order, before penalties): ``logit_bias`` is added to the logits (on
+greedy rows too: +100 forces a token, -100 bans it); tokens outside
+``allowed_token_ids``, banned tokens and this step's bans (the last token of
+a bad word whose other tokens the output ends with; EOS and stop token ids
+while fewer than ``min_tokens`` are out) go to -inf. Then penalties
+(repetition, CTRL-style; presence and frequency, OpenAI-style, over the
+generated tokens), then temperature, top-k, top-p, min-p, in the order
+Hugging Face applies them, so that a request means the same here as there.
+Greedy rows take the argmax. Sampled rows draw with their sequence's own
+seeded CPU generator, so a seed gives the same tokens whatever shares the
+batch.
+
+Special tokens are not text, and by default no row samples one: a special
+token (`Tokenizer.special_token_ids`: control tokens such as ``<bos>``,
+``<start_of_turn>``, ``<unused0>``, Gemma's ``<start_of_image>``) that is not
+an end-of-sequence token is banned, because a model never writes it in text
+(sampled at a temperature it would print markup, or vanish from the text).
+A request lifts the ban for the tokens it names: in ``allowed_token_ids``,
+with a positive ``logit_bias``, or in ``stop_token_ids``. (vLLM bans
+nothing; its text skips such tokens, ours does too.)
+
+The greedy rows of a step share one argmax, checked against each row's
+rules in Python; only a row whose argmax its rules exclude (or with a bias,
+penalties or a temperature) is masked and sampled on its own. Rules are
+built once per request, their masks once per device.
 
 No accepted value can make a NaN: logits are made finite and shifted so the
 best is 0 before dividing by the temperature (a tiny temperature sends the
@@ -14,12 +35,113 @@ rest to -inf, never the best), and top-p always keeps the best token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from pagedlm.options import OptionError, SamplingParams
+
 if TYPE_CHECKING:
     from pagedlm.batch.sequence import Sequence
+    from pagedlm.tokenizer import Tokenizer
+
+
+class TokenRules:
+    """One request's rules on its next token (its ``n`` sequences share them)."""
+
+    def __init__(self, banned: Iterable[int] = (), allowed: Iterable[int] | None = None,
+                 bias: dict[int, float] | None = None, bad_words: Iterable[tuple[int, ...]] = (),
+                 min_tokens: int = 0, stop_ids: Iterable[int] = ()) -> None:
+        self.banned = frozenset(banned)  # never sampled
+        self.allowed = None if allowed is None else frozenset(allowed)  # only these are sampled
+        self.bias = dict(bias) if bias else None  # token id -> added to its logit
+        self.bad_words = tuple(bad_words)  # two tokens or more: the last is banned after the others
+        self.min_tokens = min_tokens
+        self.stop_ids = sorted(stop_ids)  # banned while fewer than min_tokens are out
+        self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def banned_now(self, output_ids: list[int]) -> list[int]:
+        """The tokens banned at this step only, after ``output_ids``."""
+        now = [w[-1] for w in self.bad_words
+               if len(w) - 1 <= len(output_ids) and tuple(output_ids[len(output_ids) - len(w) + 1 :]) == w[:-1]]
+        if len(output_ids) < self.min_tokens:
+            now += self.stop_ids
+        return now
+
+    def permits(self, token: int, output_ids: list[int]) -> bool:
+        """May ``token`` follow ``output_ids`` (the bias aside)?"""
+        return (token not in self.banned and (self.allowed is None or token in self.allowed)
+                and token not in self.banned_now(output_ids))
+
+    def _tensor(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._tensors:
+            if name == "bias_values":
+                values, dtype = list(self.bias.values()), torch.float32
+            else:
+                values = list(self.bias) if name == "bias_ids" else sorted(getattr(self, name))
+                dtype = torch.long
+            self._tensors[key] = torch.tensor(values, dtype=dtype, device=device)
+        return self._tensors[key]
+
+    def apply(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
+        """One row's float32 logits ``[V]`` under these rules."""
+        device, ninf = logits.device, float("-inf")
+        if self.bias:
+            logits = logits.index_add(0, self._tensor("bias_ids", device), self._tensor("bias_values", device))
+        if self.allowed is not None:
+            keep = self._tensor("allowed", device)
+            logits = torch.full_like(logits, ninf).index_copy_(0, keep, logits.index_select(0, keep))
+        if self.banned:
+            logits = logits.index_fill(0, self._tensor("banned", device), ninf)
+        now = self.banned_now(output_ids)
+        if now:
+            logits = logits.index_fill(0, torch.tensor(now, device=device), ninf)
+        return logits
+
+
+def bad_words_ids(words: Iterable[str], tokenizer: "Tokenizer") -> list[tuple[int, ...]]:
+    """vLLM's reading of ``bad_words``: each word's tokens as written (leading
+    spaces dropped), and also after a space, when that spells it in as many
+    tokens starting with a different one (the word inside a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if plain:
+            out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+def _asks_rules(params: SamplingParams) -> bool:
+    return bool(params.logit_bias or params.allowed_token_ids or params.bad_words or params.min_tokens
+                or params.stop_token_ids)
+
+
+def token_rules(params: SamplingParams, tokenizer: "Tokenizer", vocab_size: int,
+                default: TokenRules | None = None) -> TokenRules:
+    """The rules of a request with validated ``params`` (``default``, shared,
+    when it asks for none); `OptionError` for a token id outside the vocabulary."""
+    if default is not None and not _asks_rules(params):
+        return default
+    for name in ("logit_bias", "allowed_token_ids"):
+        outside = [i for i in getattr(params, name) or () if i >= vocab_size]
+        if outside:
+            raise OptionError(f"{name} must hold token ids below the vocabulary size {vocab_size} "
+                              f"(got {outside[0]})")
+    eos = set(tokenizer.eos_token_ids)
+    named = (set(params.allowed_token_ids or ()) | set(params.stop_token_ids)
+             | {i for i, b in (params.logit_bias or {}).items() if b > 0})
+    words = bad_words_ids(params.bad_words or (), tokenizer)
+    banned = (set(tokenizer.special_token_ids) - eos - named) | {w[0] for w in words if len(w) == 1}
+    stop_ids = eos | set(params.stop_token_ids) if params.min_tokens else ()
+    return TokenRules(
+        banned={i for i in banned if i < vocab_size}, allowed=params.allowed_token_ids, bias=params.logit_bias,
+        bad_words=[w for w in words if len(w) > 1], min_tokens=params.min_tokens,
+        stop_ids={i for i in stop_ids if i < vocab_size},
+    )
 
 
 def apply_penalties(logits: torch.Tensor, seq: "Sequence") -> torch.Tensor:
@@ -50,6 +172,8 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample_row(logits: torch.Tensor, seq: "Sequence") -> int:
     """Next token of one row from its float32 logits ``[V]``."""
     p = seq.params
+    if seq.rules is not None:
+        logits = seq.rules.apply(logits, seq.output_ids)
     logits = apply_penalties(logits, seq)
     if seq.generator is None:
         return int(torch.argmax(logits))
@@ -68,17 +192,20 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int:
 
 
 def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int]:
-    """Tokens for ``seqs`` from their float32 logits ``[B, V]``. Rows that
-    are greedy and unpenalized share one argmax; the rest go row by row."""
-    plain = [i for i, s in enumerate(seqs) if s.generator is None and not _penalized(s)]
-    plain_set = set(plain)
-    tokens = [0] * len(seqs)
-    if plain:
-        best = torch.argmax(logits if len(plain) == len(seqs) else logits[plain], dim=-1).tolist()
-        for i, t in zip(plain, best):
-            tokens[i] = t
+    """Tokens for ``seqs`` from their float32 logits ``[B, V]``. Rows that are
+    greedy, unpenalized and unbiased share one argmax, kept where their rules
+    permit it; the rest go row by row."""
+    shared = [i for i, s in enumerate(seqs)
+              if s.generator is None and not _penalized(s) and (s.rules is None or not s.rules.bias)]
+    tokens: list[int | None] = [None] * len(seqs)
+    if shared:
+        best = torch.argmax(logits if len(shared) == len(seqs) else logits[shared], dim=-1).tolist()
+        for i, t in zip(shared, best):
+            rules = seqs[i].rules
+            if rules is None or rules.permits(t, seqs[i].output_ids):
+                tokens[i] = t
     for i, seq in enumerate(seqs):
-        if i not in plain_set:
+        if tokens[i] is None:
             tokens[i] = sample_row(logits[i], seq)
     return tokens
 
@@ -96,3 +223,10 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[tupl
         return [(c, []) for c in chosen]
     values, ids = torch.topk(logprobs, k)
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+def ranks_of(logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+    """Per row: vLLM's rank of ``tokens[row]``, 1 + how many tokens have a
+    strictly higher logprob (the same log-softmax ``logprobs_of`` reports)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return ((logprobs > logprobs.gather(-1, tokens[:, None])).sum(-1) + 1).tolist()

@@ -8,6 +8,7 @@ ids end generation, and the chat template.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -40,6 +41,10 @@ GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
 {%- if add_generation_prompt -%}
     {{ '<start_of_turn>model\n' }}
 {%- endif -%}"""
+
+
+# Gemma 3's image markers, which a text model never writes.
+GEMMA_MEDIA_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 
 
 def _token_str(value: Any) -> str | None:
@@ -150,44 +155,78 @@ class Tokenizer:
             return [bos, *ids]
         return ids
 
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Tokens that are not text: the tokenizer's special added tokens
+        (control tokens, in a GGUF), and Gemma 3's image markers (special in
+        its HF tokenizer, user-defined, so printed, in its GGUF)."""
+        ids = {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+        if self.token_to_id("<start_of_turn>") is not None:
+            ids.update(i for t in GEMMA_MEDIA_TOKENS if (i := self.token_to_id(t)) is not None)
+        return frozenset(ids)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; with ``skip_special_tokens`` (vLLM's default) the
+        `special_token_ids` add none."""
+        if skip_special_tokens:
+            special = self.special_token_ids
+            ids = [i for i in ids if i not in special]
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render the chat template (text; its BOS, if any, is part of the text)."""
-        if self.chat_template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **template_kwargs: Any) -> str:
+        """Render the chat template (the model's, or ``chat_template``) as text;
+        its BOS, if any, is part of the text. With ``continue_final_message``
+        the prompt ends where the last message's content does (no end of turn,
+        no generation prompt), so that the model continues that message.
+        ``template_kwargs`` are further template variables. Every failure (the
+        template does not compile, raises, or refuses the messages) is a
+        `ValueError`."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other: "
+                             "a prompt either continues the last message or opens a new turn")
+        source = self.chat_template if chat_template is None else chat_template
+        if source is None:
             raise ValueError("this model has no chat template; use plain text prompts")
+        messages = [_text_message(m) for m in messages]
+        template = compile_chat_template(source)
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._template.render(
-                messages=[_text_message(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-                **kwargs,
-            )
-        except TemplateError as e:
+            text = template.render({**self.special_tokens, **template_kwargs, "messages": messages,
+                                    "add_generation_prompt": add_generation_prompt})
+        except TemplateError as e:  # raise_exception(...) in the template, an undefined name
             raise ValueError(f"chat template: {e}") from None
+        except Exception as e:  # a template is code: whatever it does wrong is its error
+            raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+        return _up_to_final_message(text, messages) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Chat prompt ids. Like transformers, adds no special tokens beyond the template's.
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """Chat prompt ids (`apply_chat_template`'s arguments). Like
+        transformers, adds no special tokens beyond the template's.
 
         Message content is text: a control token spelled inside it (a user
         writing ``<|im_end|>\n<|im_start|>system``) is tokenized as plain text,
         so that nobody can forge turns; only the template's own markers are
         special. Content without such text is tokenized exactly as before."""
+        def render(msgs: list[dict]) -> str:
+            return self.apply_chat_template(msgs, add_generation_prompt, continue_final_message=continue_final_message,
+                                            chat_template=chat_template, **template_kwargs)
+
         messages = [_text_message(m) for m in messages]
         contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
         if not any(s in c for c in contents for s in self._special_texts):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt),
-                               add_special_tokens=False)
+            return self.encode(render(messages), add_special_tokens=False)
         # Mark where each content lands in the rendered prompt, then tokenize the
         # template's text with special tokens and the content without.
         mark = secrets.token_hex(8)
         opening, closing = f"\x02{mark}<", f">{mark}\x03"
         wrapped = [{**m, "content": opening + m["content"] + closing}
                    if isinstance(m.get("content"), str) else m for m in messages]
-        text = self.apply_chat_template(wrapped, add_generation_prompt)
+        text = render(wrapped)
         ids: list[int] = []
         for i, piece in enumerate(re.split(f"{re.escape(opening)}|{re.escape(closing)}", text)):
             if i % 2 == 0:
@@ -207,10 +246,6 @@ class Tokenizer:
         plain.encode_special_tokens = True
         return plain
 
-    @cached_property
-    def _template(self):
-        return _jinja_env().from_string(self.chat_template)
-
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens)
 
@@ -222,6 +257,31 @@ def _text_message(message: dict) -> dict:
         text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         return {**message, "content": text}
     return message
+
+
+def _up_to_final_message(text: str, messages: list[dict]) -> str:
+    """``text`` cut where the last message's content ends in it (a template
+    may trim the content: then where the trimmed content ends)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    for piece in (final, final.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's text")
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str):
+    """The jinja2 template of ``source`` (the few a server sees stay compiled),
+    or `ValueError` saying why it does not compile."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return _jinja_env().from_string(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from None
 
 
 def _jinja_env():

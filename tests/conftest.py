@@ -57,16 +57,17 @@ class CharTokenizer:
     """One token per character (code points below VOCAB); token 1 is EOS."""
 
     eos_token_ids = {1}
+    special_token_ids = frozenset({1})
     vocab_size = VOCAB
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i in self.special_token_ids))
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self)
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
 
 
 @pytest.fixture(scope="module", params=list(TINY))

@@ -28,7 +28,7 @@ from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore, kv_bytes, token_bytes
 from pagedlm.kernels import paged_attention
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
-from pagedlm.sampling import logprobs_of, sample
+from pagedlm.sampling import logprobs_of, ranks_of, sample, token_rules
 
 from .block_manager import BlockManager
 from .graphs import DecodeGraphs
@@ -80,9 +80,13 @@ class LLMEngine:
         options = options or EngineOptions()
         param = next(model.parameters())
         self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.vocab_size = int(model.args.vocab_size)  # the logits' width
+        self.default_rules = token_rules(SamplingParams(), tokenizer, self.vocab_size)  # shared by plain requests
         self.device, self.dtype = param.device, param.dtype
         kind = self.device.type
         check_refusals({"device": kind, "gpu_memory_fraction": options.gpu_memory_fraction,
+                        "gpu_memory_utilization": options.gpu_memory_utilization,
+                        "kv_budget_bytes": options.kv_budget_bytes,
                         "attention_backend": options.attention_backend, "kv_quant": options.kv_quant,
                         "paged_kv": options.paged_kv is not None})
         if kind == "cuda":
@@ -93,6 +97,9 @@ class LLMEngine:
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         self.max_num_seqs = options.max_num_seqs or defaults["max_num_seqs"]
         self.max_num_batched_tokens = options.max_num_batched_tokens or defaults["max_num_batched_tokens"]
+        self.long_prefill_token_threshold = (options.long_prefill_token_threshold
+                                             if options.long_prefill_token_threshold is not None
+                                             else max(1, self.max_num_batched_tokens // 4))
         context = model_context_length(model)
         self.max_model_len = options.max_model_len or context
         if self.max_model_len > context:
@@ -132,7 +139,8 @@ class LLMEngine:
         self.prompt_cache = (PromptCache(options.prompt_cache_bytes)
                              if pools is None and options.prompt_cache_bytes > 0 else None)
         self.scheduler = Scheduler(self.store, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache)
+                                   self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache,
+                                   self.long_prefill_token_threshold, options.max_num_partial_prefills)
         self.paged = pools is not None
         self.steps = 0
 
@@ -155,10 +163,29 @@ class LLMEngine:
         if options.kv_budget_bytes is not None:
             return options.kv_budget_bytes
         if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            if options.gpu_memory_utilization is not None:
+                return self._utilization_budget(options.gpu_memory_utilization, free, total)
             fraction = options.gpu_memory_fraction or defaults["gpu_memory_fraction"]
-            free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * fraction)
         return defaults["kv_budget_bytes"]
+
+    def _utilization_budget(self, utilization: float, free: int, total: int) -> int:
+        """vLLM's meaning: this process may hold ``utilization`` of the GPU's
+        total memory; the KV cache gets that less what the process holds now
+        (the weights). Other processes' memory is not this process's share,
+        but it must leave room for the budget."""
+        gib, used = 1024**3, torch.cuda.memory_reserved(self.device)
+        budget = int(total * utilization) - used
+        name = f"--gpu-memory-utilization {utilization}"
+        if budget <= 0:
+            raise OptionError(f"{name} allows {total * utilization / gib:.2f} GiB of the GPU's {total / gib:.2f} "
+                              f"GiB, and this process holds {used / gib:.2f} GiB (the weights): nothing is "
+                              f"left for the KV cache; raise it")
+        if budget > free:
+            raise OptionError(f"{name} leaves {budget / gib:.2f} GiB for the KV cache, but only {free / gib:.2f} "
+                              f"GiB of the GPU are free (other processes hold the rest); lower it")
+        return budget
 
     # -- requests -----------------------------------------------------------
 
@@ -166,17 +193,20 @@ class LLMEngine:
                     request_id: object = None) -> list[Sequence]:
         """Queue ``params.n`` sequences continuing ``prompt_ids``; raises
         `OptionError` (`RequestTooLarge`) for what can never run."""
-        params = params or SamplingParams()
-        params.validate()
+        params = (params or SamplingParams()).validate()
         ids = list(prompt_ids)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
         if not ids:
             raise OptionError("the prompt is empty")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise OptionError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                               f"exceeds max_model_len ({self.max_model_len})")
+        rules = token_rules(params, self.tokenizer, self.vocab_size, self.default_rules)
         seqs = []
         for p in params.continuations():
-            seq = Sequence(ids, p, self.tokenizer.eos_token_ids, self.tokenizer.detokenizer(), request_id)
+            seq = Sequence(ids, p, self.tokenizer.eos_token_ids, self.tokenizer.detokenizer(p.skip_special_tokens),
+                           request_id, rules)
             self.scheduler.add(seq)
             seqs.append(seq)
         return seqs
@@ -226,6 +256,7 @@ class LLMEngine:
             if seq.params.logprobs is not None and seq.params.max_tokens > 0:
                 chosen = torch.tensor([tokens[i]], device=logits.device)
                 logprob = logprobs_of(logits[i : i + 1], chosen, seq.params.logprobs)[0]
+                seq.logprob_ranks += ranks_of(logits[i : i + 1], chosen)
             outputs.append(self._append(seq, tokens[i], logprob))
         return outputs
 
@@ -240,6 +271,7 @@ class LLMEngine:
         logits = self.model.compute_logits(hidden[first - begin : last - begin]).float()
         targets = torch.tensor(seq.prompt_ids[first + 1 : last + 1], device=logits.device)
         seq.prompt_logprobs += logprobs_of(logits, targets, seq.params.prompt_logprobs)
+        seq.prompt_logprob_ranks += ranks_of(logits, targets)
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> GenerationResponse:
         """Add ``token`` to ``seq``; decide whether it ends it; the text it completes."""
@@ -251,12 +283,17 @@ class LLMEngine:
             return self._response(seq, "", None, None, "length", first)
         seq.output_ids.append(token)
         finish = None
-        if token in seq.stop_ids:  # the stop token's own text is not emitted; what is held back is
-            text, finish = seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush(), "stop"
+        stopping = len(seq.output_ids) > seq.params.min_tokens  # vLLM: no stop within the first min_tokens
+        if stopping and token in seq.stop_ids:
+            # The stop token's own text is emitted only with include_stop_str_in_output; what is held back is.
+            piece = seq.detokenizer.add_token(token) if seq.params.include_stop_str_in_output else ""
+            text, finish = seq.stops.feed(piece + seq.detokenizer.finalize())[0] + seq.stops.flush(), "stop"
+            seq.stop_reason = token if token in seq.params.stop_token_ids else None  # None: EOS
         else:
-            text, hit = seq.stops.feed(seq.detokenizer.add_token(token))
-            if hit:
-                finish = "stop"
+            piece = seq.detokenizer.add_token(token)
+            text, hit = seq.stops.feed(piece) if stopping else (piece, None)
+            if hit is not None:
+                finish, seq.stop_reason = "stop", hit
             elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
                 finish = "length"

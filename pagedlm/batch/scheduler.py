@@ -1,18 +1,39 @@
 """Which sequences run in the next step, and with how many new tokens: ``Scheduler``.
 
 Each step has a token budget (``max_num_batched_tokens``) and a row cap
-(``max_num_seqs``). Running sequences come first, in admission order: a
-decode row takes one token, a row still in its prompt takes the next chunk
-of it, so a long prompt is prefilled over several steps while the others
-keep decoding. Waiting sequences are then admitted in arrival order while
-budget, rows and KV room last.
+(``max_num_seqs``). A step is filled in four passes:
+
+1. decode rows: every running sequence past its prompt takes its one token,
+   oldest first, so decoding never waits behind a prefill;
+2. prompt chunks of running sequences (oldest first): the next chunk of the
+   prompt, capped at ``long_prefill_token_threshold`` tokens while any
+   sequence waits to be admitted;
+3. admissions: waiting sequences join into what is left of the budget, the
+   request with the fewest sequences running first (ties in arrival order),
+   while rows and KV room last. A sequence whose prompt would still be
+   incomplete after this step is a partial prefill; at most
+   ``max_num_partial_prefills`` sequences are, and one that would make one
+   too many is passed over (shorter ones behind it still join);
+4. top-up: budget nobody took goes to the prompt chunks of pass 2 and 3, in
+   that order (no token of the budget is left idle for a cap).
+
+The bound this gives: a sequence that waits when a step is scheduled, whose
+prompt fits in the budget left by the decode rows and the capped chunks
+(``max_num_batched_tokens`` - decode rows - ``max_num_partial_prefills`` x
+``long_prefill_token_threshold``, less the prompts admitted before it), is
+admitted in that step and samples its first token at the end of it, if a
+row and KV room are free: behind one long prompt, a short request's first
+token comes from the first step scheduled after it arrives.
 
 KV room: the default store reserves each sequence's projected bytes (prompt
-plus max_tokens) when it is admitted, so a running sequence never runs out.
-The paged store hands out blocks as tokens arrive; when none is left for a
-running row, the most recently admitted sequence is preempted (its blocks
-freed, itself put back at the front of the queue to be recomputed later)
-until the row fits. A request that could never fit is refused when added.
+plus max_tokens) when it is admitted, so a running sequence never runs out;
+the prompt cache holds its entries inside the same budget (what the
+reservations leave), and admission evicts them, least recently used first,
+to make room. The paged store hands out blocks as tokens arrive; when none
+is left for a running row, the most recently admitted sequence not yet in
+this step's rows is preempted (its blocks freed, itself put back at the
+front of the queue to be recomputed later) until the row fits. A request
+that could never fit is refused when added.
 
 Prefix caching (paged store): an admitted sequence takes the cached blocks
 that start its tokens and computes only the rest, at least its last token
@@ -23,6 +44,7 @@ computing is passed over until that block is cached.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -48,6 +70,8 @@ class Scheduler:
         bytes_per_token: list[int],
         blocks: "BlockManager | None" = None,
         prompt_cache: "PromptCache | None" = None,
+        long_prefill_token_threshold: int = 0,
+        max_num_partial_prefills: int = 1,
     ) -> None:
         self.store = store
         self.max_num_seqs = max_num_seqs
@@ -56,6 +80,9 @@ class Scheduler:
         self.bytes_per_token = bytes_per_token  # per layer
         self.blocks = blocks
         self.prompt_cache = prompt_cache
+        # 0: no cap (a chunk takes what the budget has left)
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
+        self.max_num_partial_prefills = max_num_partial_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.reserved_bytes = 0  # default store: projected bytes of the running sequences
@@ -73,7 +100,9 @@ class Scheduler:
             if spec.window is None:
                 total += per_token * grown
             else:
-                total += per_token * min(max_len, spec.window + self.max_num_batched_tokens)
+                # a ring buffer grows by STEP slots up to its window; a chunk
+                # lands beside the window - 1 keys it keeps
+                total += per_token * min(max_len + STEP, spec.window + self.max_num_batched_tokens)
         return total
 
     def check_fits(self, num_prompt: int, max_tokens: int) -> None:
@@ -100,52 +129,106 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """This step's rows: (sequence, new tokens), running ones first."""
-        budget = self.max_num_batched_tokens
-        rows: list[tuple[Sequence, int]] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if self.blocks is not None:
-                while self._allocate(seq, n) is None:
-                    preempted = True
-                    victim = self.running[-1]
-                    self.preempt(victim)
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    break  # it preempted itself: it was the last running
-            rows.append((seq, n))
-            budget -= n
-            i += 1
-        # No admissions in a step that had to preempt: room is short already.
-        w = 0
-        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[w]
+        """This step's rows: (sequence, new tokens), in the four passes of the module's note."""
+        self._budget = self.max_num_batched_tokens
+        self._preempted = False
+        rows: list[list] = []  # [sequence, new tokens]
+        scheduled: set[int] = set()
+        cap = self.long_prefill_token_threshold if self.waiting else self.max_num_batched_tokens
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        for seq in decoding + prefilling:  # passes 1 and 2
+            if self._budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING:  # not preempted for an earlier row
+                self._add_row(rows, scheduled, seq, min(seq.num_tokens - seq.num_computed, self._budget, cap))
+        planned = {seq.seq_id: n for seq, n in rows}
+        partial = sum(1 for s in prefilling if s.status is SequenceStatus.RUNNING
+                      and s.num_tokens - s.num_computed > planned.get(s.seq_id, 0))
+        if not self._preempted:  # no admissions in a step that had to preempt: room is short already
+            self._admit(rows, scheduled, partial)
+        for row in rows:  # pass 4: the budget nobody took
+            seq, n = row
+            extra = min(seq.num_tokens - seq.num_computed - n, self._budget)
+            if extra > 0 and (self.blocks is None or self._allocate(seq, n + extra) is not None):
+                row[1] += extra
+                self._budget -= extra
+        return [(seq, n) for seq, n in rows]
+
+    def _add_row(self, rows: list, scheduled: set[int], seq: Sequence, n: int) -> None:
+        """Schedule ``n`` tokens of running ``seq``; on the paged store, make
+        room by preempting the newest running sequences without a row yet
+        (``seq`` itself last)."""
+        if self.blocks is not None:
+            while self._allocate(seq, n) is None:
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                self.preempt(victim)
+                self._preempted = True
+                if victim is seq:
+                    return
+        rows.append([seq, n])
+        scheduled.add(seq.seq_id)
+        self._budget -= n
+
+    def _admit(self, rows: list, scheduled: set[int], partial: int) -> None:
+        """Pass 3: waiting sequences into the budget left, in `_admission_order`."""
+        for seq in self._admission_order():
+            if self._budget == 0 or len(self.running) >= self.max_num_seqs:
+                return
             hit, busy = self.blocks.lookup(seq) if self.blocks is not None else ([], False)
             if busy:  # another sequence is computing its next block: take it cached, later
-                w += 1
                 continue
             start = self._cached_start(seq, hit)
             hit = hit[: self.blocks.blocks_for(start)] if hit else hit
-            if not self._reserve(seq, hit, start, min(seq.num_tokens - start, budget)):
-                break
-            del self.waiting[w]
+            cap = self.long_prefill_token_threshold if len(self.waiting) > 1 else self.max_num_batched_tokens
+            n = min(seq.num_tokens - start, self._budget, cap)
+            incomplete = n < seq.num_tokens - start  # (a prompt-cache hit may still complete it)
+            if incomplete and partial >= self.max_num_partial_prefills:
+                continue
+            if not self._reserve(seq, hit, start, n):
+                return  # no overtaking for KV room: the next one to fit is this one
+            self.waiting.remove(seq)
             # Running before its storage is attached: if attaching raises, an
             # abort finds it where it is and releases what it got.
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._attach(seq, hit, start)
-            n = min(seq.num_tokens - seq.num_computed, budget)  # a prompt-cache hit shortens it
+            n = min(seq.num_tokens - seq.num_computed, n)  # a prompt-cache hit shortens it
+            partial += n < seq.num_tokens - seq.num_computed
             if self.blocks is not None:
                 self._allocate(seq, n)
                 if seq.num_computed:
                     self.store.seed_row(seq.seq_id, self.blocks.tables[seq.seq_id], seq.num_computed)
-            rows.append((seq, n))
-            budget -= n
-        return rows
+            rows.append([seq, n])
+            scheduled.add(seq.seq_id)
+            self._budget -= n
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting sequences, the request with the fewest sequences running
+        first (ties: the request whose first sequence waits longest), taking
+        one sequence of a request at a time. Sequences without a request id
+        are each a request of their own, so alone they keep arrival order."""
+        waiting = list(self.waiting)
+        if all(s.request_id is None for s in waiting):
+            return waiting
+        groups: dict[object, deque[Sequence]] = {}
+        for seq in waiting:
+            key = seq.request_id if seq.request_id is not None else ("seq", seq.seq_id)
+            groups.setdefault(key, deque()).append(seq)
+        running: dict[object, int] = {}
+        for seq in self.running:
+            if seq.request_id is not None:
+                running[seq.request_id] = running.get(seq.request_id, 0) + 1
+        heap = [(running.get(key, 0), i, key) for i, key in enumerate(groups)]
+        heapq.heapify(heap)
+        order = []
+        while heap:
+            count, i, key = heapq.heappop(heap)
+            group = groups[key]
+            order.append(group.popleft())
+            if group:
+                heapq.heappush(heap, (count + 1, i, key))
+        return order
 
     def _allocate(self, seq: Sequence, n: int) -> list[tuple[int, int]] | None:
         """Blocks for ``seq``'s next ``n`` tokens; a cached or shared block they
@@ -180,8 +263,10 @@ class Scheduler:
         if self.blocks is not None:
             self.blocks.admit(seq, hit, start)
             seq.num_computed = start
-        elif self.prompt_cache is not None and seq.prompt_logprobs is None:
-            caches, seq.num_computed = self.prompt_cache.take(seq.tokens)
+        elif self.prompt_cache is not None:
+            if seq.prompt_logprobs is None:
+                caches, seq.num_computed = self.prompt_cache.take(seq.tokens)
+            self.prompt_cache.evict_to(self.kv_budget_bytes - self.reserved_bytes)  # one budget
         if not seq.output_ids:  # a first admission (a recompute after preemption is not a cache hit)
             seq.num_cached = seq.num_computed
         self.store.add_row(seq.seq_id, caches)
@@ -194,7 +279,8 @@ class Scheduler:
         else:
             self.reserved_bytes -= self.projected_bytes(seq.max_len)
         if keep and self.prompt_cache is not None:
-            self.prompt_cache.put(seq.tokens[: seq.num_computed], caches)
+            self.prompt_cache.put(seq.tokens[: seq.num_computed], caches,
+                                  room=self.kv_budget_bytes - self.reserved_bytes)
         else:
             for cache in caches:
                 if cache is not None:

@@ -11,6 +11,7 @@ import torch
 from pagedlm.options import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedlm.sampling import TokenRules
     from pagedlm.tokenizer import IncrementalDetokenizer
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-k)
@@ -23,21 +24,25 @@ class SequenceStatus(enum.Enum):
 
 
 class StopMatcher:
-    """Holds back text that may be the start of a stop string."""
+    """Holds back text that may be the start of a stop string; at a stop
+    string, cuts the text before it (or after it, with ``include``)."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self.pending = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Return (text safe to emit, whether a stop string was reached)."""
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Return (text safe to emit, the stop string reached or None); of two,
+        the one that starts first."""
         if not self.stops:
-            return text, False
+            return text, None
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.pending = ""
-            return buf[: min(hits)], True
+            at, stop = min(hits, key=lambda hit: hit[0])
+            return buf[: at + len(stop) if self.include else at], stop
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), 0, -1):
@@ -45,7 +50,7 @@ class StopMatcher:
                     hold = max(hold, n)
                     break
         self.pending = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -66,7 +71,8 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
-                 detokenizer: "IncrementalDetokenizer | None", request_id: object = None) -> None:
+                 detokenizer: "IncrementalDetokenizer | None", request_id: object = None,
+                 rules: "TokenRules | None" = None) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -77,12 +83,17 @@ class Sequence:
         self.num_cached = 0  # prompt tokens whose keys came from a cache
         self.block_hashes: list[bytes] = []  # paged store with prefix caching: its full blocks' hash chain
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+        self.rules = rules  # what its request rules in and out (sampling.TokenRules); None: nothing
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.detokenizer = detokenizer
-        self.stops = StopMatcher(params.stop)
+        self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""  # everything emitted so far
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
+        # vLLM's rank of each scored token (1 = the most likely), one per entry of the two lists above
+        self.logprob_ranks: list[int] = []
+        self.prompt_logprob_ranks: list[int] = []
         self.generator: torch.Generator | None = None
         if params.temperature > 0:
             # Drawn on the CPU so that a seed means the same on every device

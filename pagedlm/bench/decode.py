@@ -50,6 +50,7 @@ class _SyntheticTokenizer:
     no text. Speed does not depend on what the tokens say."""
 
     eos_token_ids: set[int] = set()
+    special_token_ids: frozenset[int] = frozenset()
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -58,7 +59,10 @@ class _SyntheticTokenizer:
         g = torch.Generator().manual_seed(0)
         return torch.randint(0, self.vocab_size, (len(text),), generator=g).tolist()
 
-    def detokenizer(self):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def detokenizer(self, skip_special_tokens: bool = True):
         return self
 
     def add_token(self, token: int) -> str:
@@ -245,10 +249,6 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     device = opt.resolve_device(args.device)
     spec = args.model or opt.DEFAULT_MODEL
     quantization = opt.resolve_quantization(args.quantization)
-    if args.gen_len < 2:
-        raise opt.OptionError("--gen-len must be >= 2")
-    for n in args.prompt_len:
-        opt.positive_int(n, "--prompt-len")
     if args.against == "llama.cpp":
         if importlib.util.find_spec("llama_cpp") is None:
             raise opt.OptionError("--against llama.cpp needs llama-cpp-python, which is not installed "

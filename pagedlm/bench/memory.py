@@ -47,8 +47,6 @@ MAX_STEP_TOKENS = 16384
 
 
 def _check(args) -> None:
-    for name in ("short_len", "long_len", "num_short", "num_long", "max_tokens"):
-        opt.positive_int(getattr(args, name), "--" + name.replace("_", "-"))
     if args.short_len > args.long_len:
         raise opt.OptionError(f"--short-len ({args.short_len}) must be <= --long-len ({args.long_len})")
 
@@ -73,7 +71,8 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     base_options = dataclasses.replace(
         engine_options, kv_budget_bytes=budget, gpu_memory_fraction=None,
         max_num_seqs=engine_options.max_num_seqs or num_requests,
-        max_num_batched_tokens=engine_options.max_num_batched_tokens or step_tokens)
+        max_num_batched_tokens=engine_options.max_num_batched_tokens or step_tokens,
+        max_model_len=engine_options.max_model_len or longest)
 
     rng = random.Random(args.seed)
     top = min(10000, model.args.vocab_size)
@@ -88,7 +87,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
         runs[f"paged-{kv_quant}"] = dataclasses.replace(base_options, paged_kv=paged)
     stats = {}
     for name, options in runs.items():
-        llm = make_llm(model, tokenizer, options, max_model_len=longest)
+        llm = make_llm(model, tokenizer, options)
         llm.generate(prompts, params, use_tqdm=False)
         stats[name] = llm.stats
         del llm

@@ -95,15 +95,13 @@ def run_ppl_bench(args) -> int:
     # ... and several KV formats on each (one load): --kv-quant int8,fp8
     kv_asked = [opt.check_kv_quant(f) for f in args.kv_quant.split(",")] if args.kv_quant else []
     kv_modes = ["none", *(m for m in dict.fromkeys(kv_asked) if m != "none")] if kv_asked else [None]
-    window = opt.positive_int(args.window, "--window")
-    if window < 16:
-        raise opt.OptionError(f"--window must be >= 16 (got {window})")
+    window = args.window
     modes = ["none", *(m for m in dict.fromkeys(asked) if m != "none")]
     results: list[tuple[str, str | None, PplResult]] = []
     windows = None
     for mode in modes:
         model, tokenizer = load(spec, device, dtype, quantization=mode)
-        windows = windows or make_windows(tokenizer, opt.positive_int(args.tokens, "--tokens"), window)
+        windows = windows or make_windows(tokenizer, args.tokens, window)
         for kv in kv_modes:
             scorer = Solo if kv is None else partial(Solo, kv_quant=kv, capacity=window)
             results.append((mode, kv, perplexity(model, windows, scorer)))

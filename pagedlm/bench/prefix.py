@@ -93,9 +93,6 @@ def _print(row: dict, as_json: bool) -> None:
 
 
 def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
-    for name in ("num_requests", "prefix_len", "question_len", "max_tokens", "turns", "chat_system_len",
-                 "reply_len", "repeats"):
-        opt.positive_int(getattr(args, name), "--" + name.replace("_", "-"))
     model, tokenizer, device, dtype, spec = load_for_bench(args)
     paged = engine_options.paged_kv or opt.PagedKvOptions()
     specs = model.kv_spec()
@@ -104,7 +101,7 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
                   args.chat_system_len + args.turns * (args.question_len + args.reply_len))
     budget = engine_options.kv_budget_bytes or token_bytes * (longest + paged.block_size) * max(args.num_requests, 2)
     options = dataclasses.replace(engine_options, paged_kv=paged, kv_budget_bytes=budget, gpu_memory_fraction=None,
-                                  max_model_len=longest)
+                                  max_model_len=engine_options.max_model_len or longest)
 
     rng = random.Random(args.seed)
     top = min(10000, model.args.vocab_size)

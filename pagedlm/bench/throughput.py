@@ -68,7 +68,7 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def make_llm(model, tokenizer, options: opt.EngineOptions, max_model_len: int | None = None):
+def make_llm(model, tokenizer, options: opt.EngineOptions):
     """An `LLM` over an already loaded model, with these engine options."""
     from ..llm import LLM
 
@@ -78,7 +78,7 @@ def make_llm(model, tokenizer, options: opt.EngineOptions, max_model_len: int | 
                prefix_caching=paged.prefix_caching if paged is not None else None,
                max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                kv_budget_bytes=options.kv_budget_bytes, gpu_memory_fraction=options.gpu_memory_fraction,
-               max_model_len=max_model_len or options.max_model_len)
+               max_model_len=options.max_model_len)
 
 
 @dataclasses.dataclass
@@ -279,18 +279,12 @@ def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
 
 
 def _check(args) -> None:
-    opt.positive_int(args.num_prompts, "--num-prompts")
-    opt.positive_int(args.min_len, "--min-len")
-    opt.positive_int(args.max_len, "--max-len")
-    opt.positive_int(args.repeats, "--repeats")
     if args.min_len > args.max_len:
         raise opt.OptionError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
     if args.hf_timeout is not None and not args.hf_timeout > 0:
         raise opt.OptionError(f"--hf-timeout must be > 0 seconds (got {args.hf_timeout})")
-    if args.hf_num_prompts is not None:
-        opt.positive_int(args.hf_num_prompts, "--hf-num-prompts")
-        if args.against != "hf":
-            raise opt.OptionError("--hf-num-prompts needs --against hf")
+    if args.hf_num_prompts is not None and args.against != "hf":
+        raise opt.OptionError("--hf-num-prompts needs --against hf")
 
 
 def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:

@@ -1,6 +1,10 @@
 """Prompt cache: reuse a previous request's KV caches by longest common token prefix.
 
-Whole entries, LRU under a byte budget. A request ``take``s the entry that
+Whole entries, LRU under a byte cap (``max_bytes``) and, on the engine's
+default store, inside its KV budget: the engine passes the room its running
+sequences leave (``put(..., room=)``, ``evict_to``), so that live KV and
+cached prefixes together never exceed the one budget, cached prefixes going
+first (least recently used) when an admission needs the room. A request ``take``s the entry that
 shares the longest prefix with its prompt; the entry leaves the LRU (the
 request owns it now, so nothing else can mutate it), is trimmed back to that
 prefix, and only the rest of the prompt is prefilled. When the request is
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pagedlm.cache.base import Cache
-from pagedlm.cache.kv import KVCache, RotatingKVCache
+from pagedlm.cache.kv import STEP, KVCache, RotatingKVCache
 
 STORABLE = (KVCache, RotatingKVCache)
 
@@ -44,6 +48,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _shrink(cache: Cache) -> None:
+    """Let a trimmed cache hold no more than a fresh one with its tokens
+    would (a ``KVCache`` grows by ``STEP`` slots; a ring buffer that has
+    not wrapped holds its tokens), so that the new owner's KV projection
+    bounds it."""
+    if cache.keys is None:
+        return
+    keep = -(-cache.offset // STEP) * STEP if isinstance(cache, KVCache) else cache.offset
+    if 0 < keep < cache.keys.shape[0]:
+        cache.keys, cache.values = cache.keys[:keep].clone(), cache.values[:keep].clone()
 
 
 def dispose(cache: list[Cache]) -> None:
@@ -97,13 +113,17 @@ class PromptCache:
                 dispose(entry.cache)
                 self.misses += 1
                 return None, 0
+            if excess > 0:
+                _shrink(layer_cache)
         self.hits += 1
         return entry.cache, keep
 
-    def put(self, tokens: Sequence[int], cache: list[Cache]) -> None:
+    def put(self, tokens: Sequence[int], cache: list[Cache], room: int | None = None) -> None:
         """Store ``cache``, which holds exactly ``tokens`` (after
         a finished sequence: the prompt and every generated token but the
-        last). Takes ownership: evicted or unstorable entries are disposed."""
+        last), keeping the total under ``max_bytes`` and ``room`` (the part of
+        a shared budget nobody else holds). Takes ownership: evicted or
+        unstorable entries are disposed."""
         for layer_cache in cache:
             if not isinstance(layer_cache, STORABLE):
                 raise TypeError(
@@ -115,16 +135,21 @@ class PromptCache:
                     f"a layer cache holds {layer_cache.offset} tokens; put was given {len(tokens)}"
                 )
         size = sum(c.nbytes for c in cache)
-        if not tokens or size > self.max_bytes:
+        limit = self.max_bytes if room is None else min(self.max_bytes, room)
+        if not tokens or size > limit:
             dispose(cache)
             return
-        while self._entries and self.nbytes + size > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
-            dispose(old.cache)
+        self.evict_to(limit - size)
         self._entries[self._next_key] = _Entry(list(tokens), cache, size)
         self._next_key += 1
         self.nbytes += size
+
+    def evict_to(self, max_bytes: int) -> None:
+        """Dispose entries, least recently used first, until at most ``max_bytes`` are kept."""
+        while self._entries and self.nbytes > max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+            dispose(old.cache)
 
     def clear(self) -> None:
         """Dispose every entry."""

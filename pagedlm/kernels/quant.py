@@ -27,6 +27,11 @@ ones run a slow path, 5-10x slower here), and scales and zeros in the
 activations' dtype: the product rounds ``x``, the int8 scales and the int4
 scales and zeros to bfloat16 and returns ``x``'s dtype. The stored int4
 numbers stay float32 (embedding rows are dequantized from them exactly).
+
+Every buffer built from stored tensors starts at a multiple of ``ALIGN``
+bytes (``aligned``): stored tensors are views into a memory-mapped file,
+and torch's CPU int8 product can crash (a segmentation fault, issue 27)
+on an int8 weight whose data does not start 64-byte aligned.
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ MODES = ("none", "int8", "int4")
 GROUP_SIZE = 32  # int4 group; GGUF Q4_K / Q4_1 use 32-weight blocks too
 CPU_GEMM_ROWS = 64  # int8 on the CPU: from this many rows (a prompt chunk) dequantize + MKL's GEMM
 _PACK_CHUNK = 8192  # rows unpacked at a time when laying int4 out for a kernel
+ALIGN = 64  # bytes: where a kernel's buffer may start (torch's CPU allocator aligns to this too)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, copied if its data does not start at a multiple of ``ALIGN`` bytes."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
 def int4_fits(shape: tuple[int, int]) -> bool:
@@ -122,19 +134,23 @@ class QuantizedWeight(torch.nn.Module):
         rows from. ``linear=False``: skip the kernel layout (an untied embedding)."""
         device = torch.device(device)
         mode = stored_mode(tensors)
+        n, k = shape
+        stored_shape = (n, k) if mode == "int8" else (n, k // 2)
+        if tuple(tensors["qweight"].shape) != stored_shape:
+            raise ValueError(f"a stored {mode} weight of shape {tuple(tensors['qweight'].shape)} "
+                             f"does not fit a [{n}, {k}] weight")
         # bfloat16 activations: the fast path of the CPU kernels and the model dtype on CUDA.
         self = cls(mode, shape, torch.bfloat16)
         if mode == "int8":
-            self.register_buffer("qweight", tensors["qweight"].to(device).contiguous())
-            self.register_buffer("scales", tensors["scales"].to(device, torch.float32))
-            self.register_buffer("kernel_scales", tensors["scales"].to(device, self.compute_dtype))
+            self.register_buffer("qweight", aligned(tensors["qweight"].to(device)))
+            self.register_buffer("scales", aligned(tensors["scales"].to(device, torch.float32)))
+            self.register_buffer("kernel_scales", aligned(tensors["scales"].to(device, self.compute_dtype)))
             return self
         if rows:
             for name in ("qweight", "scales", "mins"):
-                self.register_buffer(name, tensors[name].to(device))
+                self.register_buffer(name, aligned(tensors[name].to(device)))
         if not linear:
             return self
-        n, k = shape
         scales, mins = tensors["scales"].float(), tensors["mins"].float()
         zeros = mins + 8 * scales
         sz = torch.stack((scales.t(), zeros.t()), dim=-1).contiguous()  # [K/g, N, 2]
@@ -147,7 +163,7 @@ class QuantizedWeight(torch.nn.Module):
             inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
             self.inner_k_tiles = inner_k_tiles
             self.register_buffer("packed", torch._convert_weight_to_int4pack(
-                tensors["qweight"].to(device).contiguous(), inner_k_tiles))
+                aligned(tensors["qweight"].to(device)), inner_k_tiles))
         return self
 
     def _apply(self, fn, recurse=True):

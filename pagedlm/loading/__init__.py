@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .catalog import DEFAULT_MODEL, LoadError, ModelNotFound, list_models, resolve
+from .catalog import DEFAULT_MODEL, LoadError, ModelNotFound, error_detail, list_models, resolve
 from .hf import load_model
 
 __all__ = ["load", "resolve", "list_models", "load_model", "ModelNotFound", "LoadError", "DEFAULT_MODEL"]
@@ -22,7 +22,8 @@ def load(
     dtype: torch.dtype = torch.float32,
     quantization: str = "none",
 ):
-    """(model, Tokenizer) for ``spec``; raises ModelNotFound with a one-line fix.
+    """(model, Tokenizer) for ``spec``; raises ModelNotFound with a one-line fix
+    (a LoadError for files that are there but cannot be loaded).
 
     ``quantization`` ("none", "int8", "int4"; ``options.resolve_quantization``
     turns flags and the environment into one) stores the linear layers and
@@ -32,10 +33,14 @@ def load(
 
     check_quantization(quantization)
     folder = resolve(spec)
+    try:  # first: it fails in a second where the weights take longer
+        tokenizer = Tokenizer.from_folder(folder)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        raise LoadError(f"{folder}: cannot read its tokenizer ({error_detail(e)})") from None
     if quantization == "none":
         model = load_model(folder, device, dtype)
     else:
         from .quant import load_quantized
 
         model = load_quantized(folder, quantization, device, dtype)
-    return model, Tokenizer.from_folder(folder)
+    return model, tokenizer

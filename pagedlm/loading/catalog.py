@@ -35,6 +35,11 @@ class LoadError(ModelNotFound):
 _BAD_FILE_ERRORS = (ValueError, KeyError, IndexError, EOFError, OverflowError)
 
 
+def error_detail(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none)."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
 
@@ -129,6 +134,10 @@ def resolve(spec: str | os.PathLike | None = None) -> Path:
         return converted_folder(path)
     if path.is_dir():
         if (path / "config.json").is_file():
+            from .hf import open_weights, read_config
+
+            read_config(path)  # a LoadError now, before anything is loaded, for a folder
+            open_weights(path)  # whose config.json or weight files pagedlm cannot read
             return path
         raise ModelNotFound(f"{spec} is a folder without config.json: not a Hugging Face model folder")
     names = ", ".join(BUILTINS)
@@ -154,8 +163,7 @@ def converted_folder(gguf_path: Path, sha256: str | None = None) -> Path:
         try:
             convert(gguf_path, tmp)
         except _BAD_FILE_ERRORS as e:
-            detail = (str(e).splitlines() or [type(e).__name__])[0]
-            raise LoadError(f"{gguf_path}: not a GGUF file pagedlm can load ({detail})") from None
+            raise LoadError(f"{gguf_path}: not a GGUF file pagedlm can load ({error_detail(e)})") from None
         stamp = {"source": str(gguf_path), "sha256": sha256, "converter_version": CONVERTER_VERSION}
         (tmp / "pagedlm.json").write_text(json.dumps(stamp, indent=2) + "\n")
         if _cached(sha256) is not None:  # another process finished first

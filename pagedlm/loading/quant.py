@@ -28,11 +28,18 @@ What each mode stores, by where a weight comes from (``_stored``):
 - Fused q/k/v and gate/up take the int4 form only if every part does, and
   int8 if any part is wider than 4 bits.
 - Other GGUF types (fewer bits, non-linear grids) go as from a float folder.
+
+The file is a safetensors file in which every tensor's data starts at a
+multiple of ``kernels.quant.ALIGN`` (64) bytes from the file's start
+(``save_aligned``); safetensors maps the file from its first byte, so the
+loaded views start aligned too, whatever the header holds (its metadata
+names the source folder, so its length varies with a path's).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,15 +48,18 @@ import numpy as np
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from pagedlm.kernels.quant import GROUP_SIZE, QuantizedWeight, int4_fits, pack_int4, quantize
+from pagedlm.kernels.quant import ALIGN, GROUP_SIZE, QuantizedWeight, int4_fits, pack_int4, quantize
 
-from .catalog import cache_dir, converted_from
-from .hf import read_config
+from .catalog import LoadError, cache_dir, converted_from
+from .hf import build_meta, check_loaded, fill, open_weights, read_config, weight_files
 
-QUANT_VERSION = 2  # bump when the stored format or its derivation changes, so stale files are redone
+QUANT_VERSION = 3  # bump when the stored format or its derivation changes, so stale files are redone
 _PARTS = ("qweight", "scales", "mins")
+PAD = "__pad__."  # name prefix of the filler tensors between aligned tensors (``save_aligned``)
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32",
+                       torch.int64: "I64", torch.bool: "BOOL"}
 
 
 def quantizable(model: nn.Module) -> dict[str, nn.Module]:
@@ -59,18 +69,11 @@ def quantizable(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, (Linear, Embedding))}
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    return files
-
-
 def quantized_path(folder: str | Path, mode: str) -> Path:
     """Where ``folder``'s ``mode`` weights are (or will be) cached."""
     folder = Path(folder).resolve()
     digest = hashlib.sha256(str(folder).encode())
-    for f in [folder / "config.json", *_weight_files(folder)]:
+    for f in [folder / "config.json", *weight_files(folder)]:
         st = f.stat()
         digest.update(f"|{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
     return cache_dir() / "quantized" / digest.hexdigest()[:16] / f"{mode}-g{GROUP_SIZE}-v{QUANT_VERSION}.safetensors"
@@ -90,7 +93,7 @@ def _source(folder: Path):
     if path is None:
         return None
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} was converted from {path}, which is gone: int4 reads that file's "
+        raise LoadError(f"{folder} was converted from {path}, which is gone: int4 reads that file's "
                                 "4-bit blocks (reinstall it, or load the .gguf again)")
     from .gguf import SourceWeights
 
@@ -114,16 +117,41 @@ def _stored(key: str, w: torch.Tensor, mode: str, source) -> dict[str, torch.Ten
     return quantize(w, "int8" if any(t in WIDER_THAN_4_BITS for t in types) else "int4")
 
 
+def save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file of ``tensors`` in which each one's data starts at a
+    multiple of ``ALIGN`` bytes from the file's start. The format stores the
+    tensors back to back (a gap is an invalid offset), so uint8 ``PAD``
+    tensors fill the space before each one, and the header is padded with
+    spaces (as the format allows) so that the data starts aligned too."""
+    header: dict = {"__metadata__": metadata}
+    chunks: list[torch.Tensor] = []
+    offset = 0
+    for name, t in tensors.items():
+        if offset % ALIGN:
+            fill = -offset % ALIGN
+            header[f"{PAD}{len(header)}"] = {"dtype": "U8", "shape": [fill], "data_offsets": [offset, offset + fill]}
+            chunks.append(torch.zeros(fill, dtype=torch.uint8))
+            offset += fill
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + data.numel()]}
+        chunks.append(data)
+        offset += data.numel()
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for data in chunks:
+            f.write(data.numpy().data)
+
+
 def convert(folder: str | Path, mode: str, out: Path) -> None:
     """Quantize ``folder``'s weights into the safetensors file ``out``, one
     layer's float tensors in memory at a time."""
-    from pagedlm.models import build_model
-
     source = _source(Path(folder)) if mode == "int4" else None
-    with torch.device("meta"):
-        model = build_model(read_config(folder))
+    model = build_meta(folder, read_config(folder))
     targets = {f"{name}.weight" for name in quantizable(model)}
-    handles = [safe_open(f, "pt") for f in _weight_files(Path(folder))]
+    handles = open_weights(folder)
     where = {key: h for h in handles for key in h.keys()}
     groups: dict[str, list[str]] = {}
     for key in where:
@@ -142,8 +170,8 @@ def convert(folder: str | Path, mode: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
-        save_file(stored, tmp, metadata={"format": "pt", "quantization": mode, "group_size": str(GROUP_SIZE),
-                                         "source": str(Path(folder).resolve())})
+        save_aligned(stored, tmp, metadata={"format": "pt", "quantization": mode, "group_size": str(GROUP_SIZE),
+                                            "source": str(Path(folder).resolve())})
         os.replace(tmp, out)  # atomic: a file under its final name is complete
     finally:
         tmp.unlink(missing_ok=True)
@@ -152,32 +180,30 @@ def convert(folder: str | Path, mode: str, out: Path) -> None:
 def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """The model for ``folder`` with its Linear / Embedding weights in ``mode``,
     converting them into the cache first if needed."""
-    from pagedlm.models import build_model
     from pagedlm.models.layers import Embedding
 
     path = quantized_path(folder, mode)
     if not path.is_file():
         convert(folder, mode, path)
-    config = read_config(folder)
-    with torch.device("meta"):
-        model = build_model(config)
+    model = build_meta(folder, read_config(folder))
     layers = quantizable(model)
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
     with safe_open(path, "pt") as f:
-        keys = set(f.keys())
+        keys = {k for k in f.keys() if not k.startswith(PAD)}
         quantized = {k for k in keys if k.rsplit(".", 1)[0] in layers and k.rsplit(".", 1)[1] in _PARTS}
-        model.load_state_dict({k: f.get_tensor(k) for k in keys - quantized}, strict=False, assign=True)
+        fill(model, {k: f.get_tensor(k) for k in keys - quantized}, path, strict=False)
         for name, module in layers.items():
             tensors = {p: f.get_tensor(f"{name}.{p}") for p in _PARTS if f"{name}.{p}" in keys}
             if "qweight" not in tensors:
-                raise RuntimeError(f"{path}: no quantized weight for {name}")
+                raise LoadError(f"{path}: no quantized weight for {name}")
             is_embedding = isinstance(module, Embedding)
-            quant = QuantizedWeight.from_stored(tensors, tuple(module.weight.shape), device,
-                                                rows=is_embedding, linear=not is_embedding or tied)
+            try:
+                quant = QuantizedWeight.from_stored(tensors, tuple(module.weight.shape), device,
+                                                    rows=is_embedding, linear=not is_embedding or tied)
+            except ValueError as e:
+                raise LoadError(f"{folder}: the weights do not fit config.json ({name}: {e})") from None
             module.set_quantized(quant, dtype)
-    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if missing:
-        raise RuntimeError(f"{path}: no weights loaded for {', '.join(missing[:5])}")
+    check_loaded(model, path)
     model.to(device=device, dtype=dtype)  # norms and biases; quantized buffers stay as built
     model.requires_grad_(False)
     return model.eval()

@@ -9,6 +9,7 @@ What sets it apart from the Llama family:
   - four RMSNorms per block and per-head RMSNorm on q and k, all of the
     ``(1 + w)``, float32 kind;
   - embeddings scaled by sqrt(hidden_size) rounded to the model dtype;
+  - in float16, a float32 residual stream (``residual_dtype``);
   - attention scale ``query_pre_attn_scalar ** -0.5``; GELU-tanh MLP; tied
     embeddings; optional final logit soft-capping.
 """
@@ -94,6 +95,15 @@ def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     return torch.tensor(hidden_size**0.5).to(dtype).item()
 
 
+def residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The residual stream's dtype for a model in ``dtype``: float32 for
+    float16, whose range (65504) Gemma's residual outgrows (1.04e5 in Gemma 3
+    270M's middle layers on a six-token prompt: inf, then NaN logits); the
+    layers still compute in float16, on inputs the norms bring back to size.
+    transformers keeps it in float16, and overflows likewise."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -132,8 +142,13 @@ class TransformerBlock(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
 
     def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope_rows, kv, step))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        # x, the residual stream, may be wider than the layers (``residual_dtype``):
+        # the sub-layers take their dtype, the norms after them give back x's.
+        dtype = self.input_layernorm.weight.dtype
+        attn = self.self_attn(self.input_layernorm(x).to(dtype), rope_rows, kv, step)
+        h = x + self.post_attention_layernorm(attn.to(x.dtype))
+        mlp = self.mlp(self.pre_feedforward_layernorm(h).to(dtype))
+        return h + self.post_feedforward_layernorm(mlp.to(h.dtype))
 
 
 class Gemma3Model(nn.Module):
@@ -150,11 +165,12 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        h = h * _embed_scale(self.args.hidden_size, h.dtype)
-        rope_rows = {t: rope.rows(positions, step.max_position, h.dtype) for t, rope in self.ropes.items()}
+        dtype = h.dtype
+        h = (h * _embed_scale(self.args.hidden_size, dtype)).to(residual_dtype(dtype))
+        rope_rows = {t: rope.rows(positions, step.max_position, dtype) for t, rope in self.ropes.items()}
         for layer in self.layers:
             h = layer(h, rope_rows[layer.layer_type], kv, step)
-        return self.norm(h)
+        return self.norm(h).to(dtype)
 
 
 class Model(nn.Module):

@@ -19,13 +19,27 @@ log = logging.getLogger("pagedlm.server")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _setup_logging() -> None:
+def _setup_logging(level: str = "info") -> None:
+    """pagedlm's logs at ``level`` (uvicorn's are set by its config)."""
     root = logging.getLogger("pagedlm")
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         root.addHandler(handler)
-        root.setLevel(logging.INFO)
+    root.setLevel(level.upper())
+
+
+def check_tls(keyfile: str | None, certfile: str | None) -> None:
+    """A key and certificate that do not load are refused before the model loads."""
+    if keyfile is None:
+        return
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as e:
+        raise OptionError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot load them "
+                          f"({getattr(e, 'reason', None) or e})") from None
 
 
 def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[str]:
@@ -34,6 +48,12 @@ def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[st
              f"{'on' if options.paged_kv.prefix_caching else 'off'}" if options.paged_kv else "off")
     return [
         f"model = {options.model}",
+        f"served_model_name = {', '.join(options.model_names)}",
+        "chat_template = " + ("from --chat-template" if options.chat_template is not None else "the model's"),
+        f"seed = {options.seed if options.seed is not None else 'none (requests without one are random)'}",
+        f"cors = {'origins ' + ', '.join(options.allowed_origins) if options.allowed_origins else 'off'}",
+        f"tls = {'on' if options.ssl_certfile else 'off'}",
+        f"log_level = {options.log_level}",
         f"host = {options.host}",
         f"port = {options.port}",
         f"device = {device}",
@@ -44,6 +64,9 @@ def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[st
         f"prompt_cache_bytes = {options.prompt_cache_bytes}"
         + (" (off)" if llm.prompt_cache is None else ""),
         f"max_queue = {options.max_queue}",
+        f"max_prompts_per_request = {options.max_prompts_per_request}",
+        f"header_timeout = {options.header_timeout:g}s, body_timeout = {options.body_timeout:g}s, "
+        f"max_connections = {options.max_connections}",
         f"api_key = {'set' if options.api_key else 'not set (no authentication)'}",
         f"max_model_len = {llm.max_model_len}",
         f"max_num_seqs = {llm.max_num_seqs}",
@@ -70,6 +93,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app, options: ServerOptions):
+    """uvicorn's configuration for ``app``: the address, TLS, and the slow-client
+    limits (header and body deadlines, the connection cap: `http.protocol`)."""
+    import uvicorn
+
+    from .http import protocol
+
+    app.state.body_timeout_s = options.body_timeout  # read_body's deadline
+    return uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                          http=protocol(options.header_timeout, options.body_timeout, options.max_connections),
+                          timeout_graceful_shutdown=5, ssl_keyfile=options.ssl_keyfile,
+                          ssl_certfile=options.ssl_certfile)
+
+
 def run(options: ServerOptions) -> int:
     """Load the model and serve until interrupted. Returns an exit status."""
     import uvicorn
@@ -79,20 +116,21 @@ def run(options: ServerOptions) -> int:
 
     from .app import build_app
     from .engine import Engine
-    from .http import JSONErrorH11Protocol
     from .loop import EngineLoop
     from .metrics import Metrics
 
-    _setup_logging()
+    _setup_logging(options.log_level)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    check_tls(options.ssl_keyfile, options.ssl_certfile)
     sock = bind(options.host, options.port)
     log.info("loading %s on %s", options.model, device)
     model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
     llm = LLMEngine(model, tokenizer, options.engine)
-    metrics = Metrics()
-    lane = EngineLoop(llm, options.max_queue, metrics)
-    engine = Engine(llm, options.model)
+    metrics = Metrics(model_name=options.model_names[0])
+    lane = EngineLoop(llm, options.max_queue, metrics, options.max_prompts_per_request)
+    engine = Engine(llm, list(options.model_names), default_seed=options.seed,
+                    chat_template=options.chat_template)
     metrics.bind(llm, lane)
     app = build_app(engine, lane, metrics, options)
 
@@ -102,8 +140,7 @@ def run(options: ServerOptions) -> int:
     if options.api_key is None and options.host not in LOOPBACK:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it",
                     options.host)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                            http=JSONErrorH11Protocol, timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, options)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

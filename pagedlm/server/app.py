@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from pagedlm.options import OptionError
+from pagedlm.options import OptionError, ServerOptions
 
 from .loop import EngineLoop, Job, QueueFull
 from .metrics import Metrics, outcome_of
@@ -32,9 +34,15 @@ from .protocol import (
     ChatRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
     parse,
 )
 from .responses import ChatShape, CompletionShape, Shape
@@ -47,9 +55,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedlm.server")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-BODY_TIMEOUT_S = 30  # longest wait for the next piece of a request body
+BODY_TIMEOUT_S = ServerOptions.body_timeout  # --body-timeout's default; `run` sets app.state.body_timeout_s
 RETRY_AFTER_S = 1
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+PUBLIC = frozenset({"/health", "/ping", "/version", "/openapi.json"})  # no API key needed
 
 
 def _sse(payload: dict | str) -> str:
@@ -64,24 +73,28 @@ class ClientGone(Exception):
 
 async def read_body(request: Request) -> bytes:
     """The request body, refused with 413 past ``MAX_BODY_BYTES`` without
-    reading more than that, and with 408 when the client stops sending for
-    ``BODY_TIMEOUT_S`` (a body shorter than its Content-Length)."""
+    reading more than that, and with 408 (and the connection closed) when
+    the whole body has not arrived within ``--body-timeout`` seconds of the
+    first read (``app.state.body_timeout_s``; a deadline for the body, not
+    per piece, so a trickle cannot stretch it)."""
     too_big = APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise too_big
+    timeout_s = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
+    deadline = asyncio.get_running_loop().time() + timeout_s
     body = bytearray()
     chunks = request.stream().__aiter__()
     while True:
         try:
-            chunk = await asyncio.wait_for(chunks.__anext__(), BODY_TIMEOUT_S)
+            chunk = await asyncio.wait_for(chunks.__anext__(), deadline - asyncio.get_running_loop().time())
         except StopAsyncIteration:
             return bytes(body)
         except ClientDisconnect:
             raise ClientGone() from None
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S}s",
-                           code="request_timeout") from None
+            raise APIError(408, f"the request body did not arrive within {timeout_s:g}s (--body-timeout)",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise too_big
@@ -97,20 +110,40 @@ def generation_error(e: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
 
 
+class RequireKey:
+    """ASGI middleware: every route but ``PUBLIC`` needs ``Authorization:
+    Bearer KEY``. It runs before routing, so a protected path answers 401
+    whatever the method (not 405, which would tell a stranger what exists)."""
+
+    def __init__(self, app, api_key: str, metrics: Metrics) -> None:
+        self.app, self.key, self.metrics = app, api_key.encode(), metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC and not self._authorized(scope):
+            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+            self.metrics.record(ENDPOINTS.get(scope["path"], "other"), outcome_of(err.status))
+            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
 def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "ServerOptions") -> FastAPI:
     app = FastAPI(title="pagedlm", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     started = int(time.time())
-
-    async def require_key(request: Request) -> None:
-        if options.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 options.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
-
-    api = APIRouter(dependencies=[Depends(require_key)])
+    # Added last, so outermost: a preflight is answered, and every answer (a
+    # 401 too) carries the CORS headers a browser needs to read it.
+    if options.api_key is not None:
+        app.add_middleware(RequireKey, api_key=options.api_key, metrics=metrics)
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=list(options.allowed_methods),
+                           allow_headers=list(options.allowed_headers))
 
     # -- errors -----------------------------------------------------------
 
@@ -146,24 +179,63 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
     # -- routes -----------------------------------------------------------
 
     @app.get("/health")
+    @app.head("/health")  # load balancers probe with HEAD
     async def health() -> dict:
         return {"status": "ok", "model": engine.model_id}
 
-    @api.get("/metrics")
+    @app.get("/ping")
+    @app.post("/ping")  # vLLM's (SageMaker's) probe
+    async def ping() -> dict:
+        return await health()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> dict:
+        return {"version": importlib.metadata.version("pagedlm")}
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @api.get("/v1/models")
-    async def models() -> dict:
-        card = ModelCard(id=engine.model_id, created=started, max_model_len=engine.max_model_len)
-        return ModelList(data=[card]).model_dump(mode="json")
+    def card(model_id: str) -> ModelCard:
+        return ModelCard(id=model_id, created=started, max_model_len=engine.max_model_len)
 
-    @api.post("/v1/completions", **_documented(CompletionRequest, Completion))
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        return ModelList(data=[card(name) for name in engine.model_ids]).model_dump(mode="json")
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def model(model_id: str) -> dict:
+        return card(engine.check_model(model_id)).model_dump(mode="json")
+
+    @app.post("/tokenize", **_documented((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse))
+    async def tokenize(request: Request) -> dict:
+        body = await read_body(request)
+
+        def run() -> dict:
+            req = parse(TokenizeChatRequest if _has_key(body, "messages") else TokenizeCompletionRequest, body)
+            engine.check_model(req.model)
+            if isinstance(req, TokenizeChatRequest):
+                ids = engine.chat_prompt(req)
+            else:
+                ids = engine.tokenize_text(req.prompt, req.add_special_tokens is not False)
+            return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len).model_dump()
+
+        return await run_in_threadpool(run)
+
+    @app.post("/detokenize", **_documented(DetokenizeRequest, DetokenizeResponse))
+    async def detokenize(request: Request) -> dict:
+        req = parse(DetokenizeRequest, await read_body(request))
+        engine.check_model(req.model)
+        return DetokenizeResponse(prompt=engine.detokenize(req.tokens)).model_dump()
+
+    @app.post("/v1/completions", **_documented(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:
         return await _generate(request, "completions", CompletionRequest, engine.plan_completion,
                                CompletionShape)
 
-    @api.post("/v1/chat/completions", **_documented(ChatRequest, ChatCompletion))
+    @app.post("/v1/chat/completions", **_documented(ChatRequest, ChatCompletion))
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat", ChatRequest, engine.plan_chat, ChatShape)
 
@@ -179,7 +251,7 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
         except QueueFull as e:
             raise APIError(503, str(e), type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        shape = shape_cls(plan, engine.tokenizer, engine.model_id)
+        shape = shape_cls(plan, engine.tokenizer, plan.model)
         headers = {"x-pagedlm-paged-kv": "1" if plan.paged else "0"}
         if plan.stream:
             return StreamingResponse(_stream(request, endpoint, job, shape), headers=headers,
@@ -215,9 +287,18 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
         finally:
             metrics.record(endpoint, outcome)
 
-    app.include_router(api)
     _add_request_schemas(app)
     return app
+
+
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether ``body`` is a JSON object with ``key`` (a body that is not
+    JSON is left for `parse` to refuse)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and key in data
 
 
 # -- /openapi.json ------------------------------------------------------------
@@ -229,13 +310,23 @@ ERRORS = {400: "bad input", 401: "missing or wrong API key", 404: "unknown model
           408: "body too slow", 413: "body too large", 503: "queue full"}
 
 
-def _documented(request_model, response_model) -> dict:
-    body = {"$ref": f"#/components/schemas/{request_model.__name__}"}
+REQUEST_MODELS = (CompletionRequest, ChatRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                  DetokenizeRequest)
+
+
+def _documented(request_models, response_model) -> dict:
+    """The route's request body (one model, or a tuple: any of them) and answers."""
+    models = request_models if isinstance(request_models, tuple) else (request_models,)
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    body = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    ok = {"model": response_model, "description": "the answer"}
+    if response_model in (Completion, ChatCompletion):
+        ok = {**ok, "description": "the completion, or with stream: server-sent events of chunks",
+              "content": {"text/event-stream": {}}}
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
         "responses": {
-            200: {"model": response_model, "description": "the completion, or with stream: server-sent "
-                  "events of chunks", "content": {"text/event-stream": {}}},
+            200: ok,
             **{status: {"model": ErrorResponse, "description": why} for status, why in ERRORS.items()},
         },
     }
@@ -247,7 +338,7 @@ def _add_request_schemas(app: FastAPI) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
-            _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatRequest, "validation")],
+            _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
                                          ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             app.openapi_schema = schema

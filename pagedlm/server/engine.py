@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedlm.options import OptionError, SamplingParams
+from pagedlm.tokenizer import compile_chat_template
 
-from .protocol import APIError, ChatRequest, CompletionRequest, _GenerationRequest
+from .protocol import APIError, ChatRequest, CompletionRequest, _ChatTemplateFields, _GenerationRequest
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
@@ -25,10 +27,16 @@ log = logging.getLogger("pagedlm.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
 MAX_STOP_STRINGS = 16
+# Request fields that are `SamplingParams` fields of the same name and meaning.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
+                   "frequency_penalty", "seed", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+                   "skip_special_tokens", "bad_words", "truncate_prompt_tokens")
+TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids")  # lists of ids, checked against the vocabulary
 MAX_N = 16
+# encode_chat's own arguments, which chat_template_kwargs cannot set
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template"})
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 @dataclass
@@ -41,14 +49,26 @@ class Plan:
     include_usage: bool
     paged: bool
     echo_texts: list[str] | None = None  # completions with echo: each choice's prompt text
+    n: int = 1  # choices per prompt (usage counts each prompt once)
+    model: str = ""  # the served name the response reports
+    echo_logprobs: int | None = None  # completions with echo + logprobs: top k of the echoed prompt
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: top k, answered in its shape
 
 
 class Engine:
-    """Request planning over an `LLMEngine` (it reads the model's limits, it runs nothing)."""
+    """Request planning over an `LLMEngine` (it reads the model's limits, it runs nothing).
 
-    def __init__(self, llm: "LLMEngine", model_id: str) -> None:
+    ``model_ids``: the names clients may send as ``model`` (the first is
+    reported by default); ``default_seed`` seeds requests that give none;
+    ``chat_template`` replaces the model's (a request's own wins)."""
+
+    def __init__(self, llm: "LLMEngine", model_ids: str | list[str], *, default_seed: int | None = None,
+                 chat_template: str | None = None) -> None:
         self.llm = llm
-        self.tokenizer, self.model_id = llm.tokenizer, model_id
+        self.tokenizer = llm.tokenizer
+        self.model_ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+        self.model_id = self.model_ids[0]
+        self.default_seed, self.chat_template = default_seed, chat_template
         self.max_model_len = llm.max_model_len
         self.paged = llm.paged
         self.vocab_size = getattr(llm.model.args, "vocab_size", None) or self.tokenizer.vocab_size
@@ -57,65 +77,124 @@ class Engine:
 
     def plan_completion(self, req: CompletionRequest) -> Plan:
         self._check_common(req)
-        prompts, texts = self._completion_prompts(req.prompt)
-        prompt_logprobs = req.logprobs if req.echo else None
+        prompts, texts = self._completion_prompts(req.prompt, req.add_special_tokens is not False)
+        echo_logprobs = req.logprobs if req.echo else None
         if req.echo and req.max_tokens == 0:  # score the prompt only (lm-eval, legacy API)
-            prompt_logprobs = req.logprobs or 0
-        options = self._options(req, req.logprobs, prompt_logprobs)
+            echo_logprobs = req.logprobs or 0
+        options = self._options(req, req.logprobs, echo_logprobs)
         return self._plan(req, prompts, options, req.max_tokens, "max_tokens",
-                          COMPLETION_DEFAULT_MAX_TOKENS, texts if req.echo else None)
+                          COMPLETION_DEFAULT_MAX_TOKENS, texts if req.echo else None, echo_logprobs)
 
     def plan_chat(self, req: ChatRequest) -> Plan:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        options = self._options(req, logprobs, None, rename={"logprobs": "top_logprobs"})
-        prompt = self._chat_prompt(req)
+        options = self._options(req, logprobs, None)
+        prompt = self.chat_prompt(req)
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
-        return self._plan(req, [prompt], options, max_tokens, param, None, None)
+        return self._plan(req, [prompt], options, max_tokens, param, None, None, None,
+                          rename={"logprobs": "top_logprobs"})
+
+    def check_model(self, model: str | None) -> str:
+        """The served name a request reports: its own ``model`` (404 when this
+        server does not serve it), else the first."""
+        if model is not None and model not in self.model_ids:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, self.model_ids))}", param="model", code="model_not_found")
+        return model or self.model_id
 
     def _check_common(self, req: _GenerationRequest) -> None:
-        if req.model is not None and req.model != self.model_id:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
-                           f"{self.model_id!r}", param="model", code="model_not_found")
+        self.check_model(req.model)
         if req.n is not None and not 1 <= req.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}] (got {req.n})", param="n")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(400, f"best_of must equal n (got best_of {req.best_of}, n {req.n or 1}): every "
+                           "sequence generated is returned, none is ranked away", param="best_of")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs cannot be streamed: ask without stream",
+                           param="prompt_logprobs")
 
     def _options(self, req: _GenerationRequest, logprobs: int | None,
-                 prompt_logprobs: int | None, rename: dict[str, str] | None = None) -> SamplingParams:
-        """The request's sampling options; unset fields keep the engine's defaults."""
+                 echo_logprobs: int | None) -> SamplingParams:
+        """The request's sampling options (validated per prompt in `_plan`);
+        unset fields keep the engine's defaults."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
         given = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
         if given.get("top_k") == -1:
             given["top_k"] = 0
-        options = SamplingParams(
+        keep = given.get("truncate_prompt_tokens")
+        if keep == -1:  # vLLM's: as many as the context holds
+            given["truncate_prompt_tokens"] = self.max_model_len
+        elif keep is not None and keep < 1:  # the planner truncates before SamplingParams validates
+            raise APIError(400, f"truncate_prompt_tokens must be >= 1, or -1 for the context length "
+                           f"(got {keep})", param="truncate_prompt_tokens")
+        if "seed" not in given and self.default_seed is not None:
+            given["seed"] = self.default_seed
+        for name in TOKEN_ID_FIELDS:
+            ids = getattr(req, name)
+            if ids is not None:
+                self._check_ids(ids, name)
+                given[name] = list(ids)
+        if req.logit_bias is not None:
+            given["logit_bias"] = self._logit_bias(req.logit_bias)
+        # One prompt scoring serves both asks: echo's (the top k of the echoed
+        # logprobs) and vLLM's prompt_logprobs field; each reads its own k.
+        asked = [k for k in (echo_logprobs, req.prompt_logprobs) if k is not None]
+        return SamplingParams(
             max_tokens=1,  # resolved per prompt in _plan
-            stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given,
+            stop=stop, logprobs=logprobs, prompt_logprobs=max(asked) if asked else None, **given,
         )
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"{param} holds token id {bad[0]}, outside the vocabulary "
+                           f"[0, {self.vocab_size})", param=param)
+
+    def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        """OpenAI's logit_bias (token ids as string keys, as JSON spells them)
+        keyed by ids; `SamplingParams.validate` checks and clamps the biases."""
+        for key in bias:
+            if not _TOKEN_ID.fullmatch(key):
+                raise APIError(400, f"logit_bias keys are token ids, integers written as strings "
+                               f"(got {key!r})", param="logit_bias")
+        ids = {int(key): value for key, value in bias.items()}
+        self._check_ids(list(ids), "logit_bias")
+        return ids
+
+    @staticmethod
+    def _validated(options: SamplingParams, rename: dict[str, str]) -> SamplingParams:
         try:
-            options.validate()
+            return options.validate()
         except OptionError as e:  # "<field> must be ...": name the request's field
             message = str(e)
             field_name = message.split()[0]
-            param = (rename or {}).get(field_name, field_name)
+            param = rename.get(field_name, field_name)
             raise APIError(400, param + message[len(field_name):], param=param) from None
-        return options
 
-    def _plan(self, req, prompts, options, max_tokens, max_param, default_max, echo_texts) -> Plan:
+    def _plan(self, req, prompts, options, max_tokens, max_param, default_max, echo_texts,
+              echo_logprobs, rename: dict[str, str] | None = None) -> Plan:
+        """Per prompt: truncate, check it fits, resolve max_tokens, validate;
+        ``rename``: request fields that `SamplingParams` calls otherwise."""
         scoring = max_tokens == 0 and echo_texts is not None
         if max_tokens is not None and max_tokens < 1 and not scoring:
             raise APIError(400, f"{max_param} must be >= 1 (got {max_tokens}); 0 only with echo",
                            param=max_param)
         limit = self.max_model_len
         n = req.n or 1
-        choices, per_choice = [], []
-        for ids in prompts:
+        keep = options.truncate_prompt_tokens
+        choices, per_choice, texts = [], [], []
+        for p, ids in enumerate(prompts):
+            if keep is not None and len(ids) > keep:  # vLLM's truncation: the last k tokens
+                ids = ids[-keep:]
+                if echo_texts is not None:
+                    echo_texts[p] = self.tokenizer.decode(ids, skip_special_tokens=False)
             room = limit - len(ids)
             if room < (0 if scoring else 1):
                 raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context length "
@@ -127,20 +206,23 @@ class Engine:
                                f"exceeds this model's context length of {limit} tokens",
                                param=max_param, code="context_length_exceeded")
             budget = max_tokens if max_tokens is not None else min(room, default_max or room)
+            params = self._validated(dataclasses.replace(options, max_tokens=budget, n=n), rename or {})
             try:
                 self.llm.scheduler.check_fits(len(ids), budget)
             except OptionError as e:
                 raise APIError(400, str(e), param=max_param, code="kv_budget_exceeded") from None
             # OpenAI's choice order: prompt by prompt, n each
-            for params in dataclasses.replace(options, max_tokens=budget, n=n).continuations():
+            for one in params.continuations():
                 choices.append(ids)
-                per_choice.append(params)
+                per_choice.append(one)
         stream = bool(req.stream)
         include_usage = stream and bool(req.stream_options and req.stream_options.include_usage)
         echo = [t for t in echo_texts for _ in range(n)] if echo_texts is not None else None
-        return Plan(choices, per_choice, stream, include_usage, self.paged, echo)
+        return Plan(choices, per_choice, stream, include_usage, self.paged, echo, n=n,
+                    model=self.check_model(req.model), echo_logprobs=echo_logprobs,
+                    prompt_logprobs=req.prompt_logprobs)
 
-    def _completion_prompts(self, prompt) -> tuple[list[list[int]], list[str]]:
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> tuple[list[list[int]], list[str]]:
         """Token ids and text of each prompt in a completion request."""
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
             else [prompt]
@@ -151,7 +233,7 @@ class Engine:
         ids_list, texts = [], []
         for p, param in zip(batch, params):
             if isinstance(p, str):
-                ids = self.tokenizer.encode(p) if p else []
+                ids = self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if p else []
                 text = p
             else:
                 ids = list(p)
@@ -166,6 +248,14 @@ class Engine:
             texts.append(text)
         return ids_list, texts
 
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_text_length(len(text), "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
+
+    def detokenize(self, ids: list[int]) -> str:
+        self._check_ids(ids, "tokens")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def _check_text_length(self, chars: int, param: str) -> None:
         """Refuse text that cannot fit the context, before tokenizing it: no
         token covers more than ``max_token_chars`` characters."""
@@ -175,7 +265,8 @@ class Engine:
                            param="messages" if param == "messages" else "prompt",
                            code="context_length_exceeded")
 
-    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+    def chat_prompt(self, req: _ChatTemplateFields) -> list[int]:
+        """The prompt ids of a chat request's messages (also /tokenize's)."""
         if not req.messages:
             raise APIError(400, "messages is empty", param="messages")
         messages = []
@@ -189,14 +280,38 @@ class Engine:
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    param=f"messages[{i}].content")
                 content = "".join(part.text for part in content)
-            messages.append({"role": CHAT_ROLES[m.role], "content": content})
+            message = {"role": CHAT_ROLES[m.role], "content": content}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
         self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        continue_final = bool(req.continue_final_message)
+        add_generation_prompt = req.add_generation_prompt if req.add_generation_prompt is not None \
+            else not continue_final
+        if continue_final and add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: "
+                           "send add_generation_prompt: false", param="continue_final_message")
+        if continue_final and messages[-1]["role"] != "assistant":
+            raise APIError(400, "continue_final_message continues the last message, which must be the "
+                           f"assistant's (got {messages[-1]['role']!r})", param="continue_final_message")
+        reserved = sorted(set(req.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: "
+                           "they are request fields of their own", param="chat_template_kwargs")
+        template = req.chat_template if req.chat_template is not None else self.chat_template
+        if req.chat_template is not None:
+            try:
+                compile_chat_template(req.chat_template)
+            except ValueError as e:
+                raise APIError(400, str(e), param="chat_template") from None
         try:
-            ids = self.tokenizer.encode_chat(messages)
-        except ValueError as e:  # the model's template refused them (raise_exception), or has none
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt,
+                                             continue_final_message=continue_final,
+                                             chat_template=template, **(req.chat_template_kwargs or {}))
+        except ValueError as e:  # the template refused them (raise_exception), failed, or there is none
             log.info("chat template refused a request: %s", e)
-            raise APIError(400, f"the model's chat template refused the messages: {e}",
-                           param="messages") from None
+            raise APIError(400, f"the chat template refused the messages: {e}",
+                           param="chat_template" if req.chat_template is not None else "messages") from None
         if not ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
         return ids

@@ -6,8 +6,19 @@ every step's responses go back to the request through an asyncio queue fed
 with ``loop.call_soon_threadsafe``. A request cancels its job by setting a
 flag (its client went away, or its task was cancelled); the loop aborts the
 job's sequences before the next step, so their KV is freed within one step
-and a long prefill stops between two chunks. Nothing here awaits in a
-``finally``, so cancellation of the request's task cannot wedge the loop.
+and a long prefill stops between two chunks. The request looks for its
+client each time it has taken everything a step delivered, however fast
+tokens flow, so a departed client costs at most one more step. Nothing here
+awaits in a ``finally``, so cancellation of the request's task cannot wedge
+the loop.
+
+Limits at submission (`EngineLoop.submit`), counted in sequences (prompts x
+n), before anything queues: more prompts than ``max_prompts`` or more
+sequences than ``max_queue`` could ever hold is a 400 naming the limit;
+more than the queue holds now is `QueueFull` (503). A job's sequences share
+one request id in the engine, whose scheduler admits the request with the
+fewest sequences running first, so one client's fan-out cannot starve the
+others.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from pagedlm.options import OptionError
+
+from .protocol import APIError
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
@@ -44,6 +57,7 @@ class Job:
         self.plan = plan
         self.created = time.perf_counter()
         self.seqs: list["Sequence"] = []
+        self.index_of: dict[int, int] = {}  # seq id -> the choice it answers
         self.last_token_at: dict[int, float] = {}
         self._loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
@@ -69,18 +83,19 @@ class Job:
 
     async def events(self, is_disconnected: Callable[[], Any] | None = None,
                      poll_s: float = 0.25) -> AsyncIterator[Any]:
-        """Everything the job emits, until it is done. While nothing arrives,
-        ``is_disconnected`` is polled every ``poll_s``; a disconnect cancels
-        the job. Leaving early (break, exception, task cancellation) cancels
-        it too."""
+        """Everything the job emits, until it is done. ``is_disconnected`` is
+        asked each time everything delivered so far has been taken (once per
+        engine step while tokens flow) and every ``poll_s`` while nothing
+        arrives; a disconnect cancels the job. Leaving early (break,
+        exception, task cancellation) cancels it too."""
         try:
             while True:
+                if is_disconnected is not None and self._events.empty() and await is_disconnected():
+                    self.cancel()
+                    return
                 try:
                     item = await asyncio.wait_for(self._events.get(), poll_s)
                 except asyncio.TimeoutError:
-                    if is_disconnected is not None and await is_disconnected():
-                        self.cancel()
-                        return
                     continue
                 if item is _DONE:
                     return
@@ -94,9 +109,11 @@ class Job:
 class EngineLoop:
     """Steps ``engine`` on its own thread while any job has work."""
 
-    def __init__(self, engine: "LLMEngine", max_queue: int, metrics: "Metrics | None" = None) -> None:
+    def __init__(self, engine: "LLMEngine", max_queue: int, metrics: "Metrics | None" = None,
+                 max_prompts: int | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.max_prompts = max_prompts  # per request; None: no limit
         self.metrics = metrics
         self._inbox: collections.deque[Job] = collections.deque()
         self._jobs: list[Job] = []  # jobs whose sequences are in the engine
@@ -116,14 +133,25 @@ class EngineLoop:
         return len(self.engine.scheduler.running)
 
     def submit(self, plan: "Plan") -> Job:
-        """Queue ``plan`` for the engine, or raise `QueueFull`. Must be called
-        from the event loop."""
+        """Queue ``plan`` for the engine; raise `APIError` (400) for a request
+        over the limits, `QueueFull` when the queue cannot take all of its
+        sequences now. Must be called from the event loop."""
+        wanted, n = len(plan.prompts), max(1, plan.n)
+        if self.max_prompts is not None and wanted // n > self.max_prompts:
+            raise APIError(400, f"the request has {wanted // n} prompts; this server takes at most "
+                           f"{self.max_prompts} per request (--max-prompts-per-request)",
+                           param="prompt", code="too_many_prompts")
+        if wanted > self.max_queue:
+            raise APIError(400, f"the request asks for {wanted} sequences (prompts x n = {wanted // n} x {n}); "
+                           f"at most {self.max_queue} may wait to be admitted (--max-queue)",
+                           param="n" if n > 1 else "prompt", code="too_many_sequences")
         job = Job(plan, asyncio.get_running_loop())
         with self._cond:
             waiting = self.depth
-            if waiting and waiting + len(plan.prompts) > self.max_queue:
+            if waiting + wanted > self.max_queue:
                 raise QueueFull(f"the server is busy: {waiting} sequence(s) already wait to be "
-                                f"admitted (--max-queue {self.max_queue}); retry later")
+                                f"admitted and this request adds {wanted} (--max-queue {self.max_queue}); "
+                                f"retry later")
             self._inbox.append(job)
             self._cond.notify()
         return job
@@ -170,8 +198,9 @@ class EngineLoop:
             return
         try:
             for index, (ids, params) in enumerate(zip(job.plan.prompts, job.plan.options)):
-                (seq,) = self.engine.add_request(ids, params, request_id=(job, index))
+                (seq,) = self.engine.add_request(ids, params, request_id=job)  # one request to the scheduler
                 job.seqs.append(seq)
+                job.index_of[seq.seq_id] = index
         except OptionError as e:  # e.g. a request the KV budget can never hold
             job.emit(e)
             self._end(job)
@@ -181,7 +210,8 @@ class EngineLoop:
     def _deliver(self, outputs) -> None:
         now = time.perf_counter()
         for out in outputs:
-            job, index = out.seq.request_id
+            job = out.seq.request_id
+            index = job.index_of[out.seq.seq_id]
             if self.metrics is not None:
                 last = job.last_token_at.get(index)
                 (self.metrics.ttft if last is None else self.metrics.itl).observe(
@@ -198,10 +228,10 @@ class EngineLoop:
         if job in self._jobs:
             self._jobs.remove(job)
             if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(sum(s.num_prompt for s in job.seqs))
-                self.metrics.generation_tokens.inc(sum(len(s.output_ids) for s in job.seqs))
-            log.info("request: %d sequence(s), prompts %s tokens, %d generated, %s",
-                     len(job.seqs), "/".join(str(s.num_prompt) for s in job.seqs),
+                self.metrics.observe_request(job)
+            lengths = [s.num_prompt for s in job.seqs] or [0]
+            log.info("request: %d sequence(s), prompt tokens min %d / max %d / total %d, %d generated, %s",
+                     len(job.seqs), min(lengths), max(lengths), sum(lengths),
                      sum(len(s.output_ids) for s in job.seqs),
                      "cancelled" if job.cancelled else "finished")
         job.emit(_DONE)

@@ -1,7 +1,11 @@
 """Prometheus metrics for ``GET /metrics``.
 
 Counters and histograms are updated where things happen (the engine loop
-observes token latencies; the request path counts outcomes). Gauges that
+observes token latencies and, as a job ends, each sequence's times and
+sizes: `Metrics.observe_request`; the request path counts outcomes). The
+per-sequence histograms and the finish-reason counter carry vLLM's names
+(``vllm:e2e_request_latency_seconds`` is ``pagedlm_e2e_request_latency_seconds``)
+and a ``model_name`` label. Gauges that
 describe state (queue depth, KV bytes, paged blocks, prompt-cache and
 prefix-cache counters)
 are read at scrape time from the objects that own that state, so there is
@@ -10,6 +14,7 @@ no second copy to keep in step.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,12 +24,16 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
 
-    from .loop import EngineLoop
+    from .loop import EngineLoop, Job
 
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("ok", "cancelled", "invalid", "unauthorized", "rejected", "error")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1 .. 500000 tokens
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 def outcome_of(status: int) -> str:
@@ -49,11 +58,17 @@ def _safe(read: Callable[[], float]) -> float:
 class _StateCollector(Collector):
     """Values owned by the engine, read at scrape time."""
 
-    def __init__(self, engine: "LLMEngine", loop: "EngineLoop") -> None:
-        self.engine, self.loop = engine, loop
+    def __init__(self, engine: "LLMEngine", loop: "EngineLoop", model_name: str) -> None:
+        self.engine, self.loop, self.model_name = engine, loop, model_name
 
     def collect(self) -> Iterable:
         engine = self.engine
+        fraction = GaugeMetricFamily(
+            "pagedlm_kv_cache_usage_perc", "KV held by running sequences as a fraction of the KV budget "
+            "(0..1; vLLM's kv_cache_usage_perc); cached prefixes no sequence holds are not counted",
+            labels=["model_name"])
+        fraction.add_metric([self.model_name], _safe(lambda: _kv_fraction(engine)))
+        yield fraction
         yield GaugeMetricFamily("pagedlm_queue_depth", "Sequences waiting to be admitted",
                                 value=_safe(lambda: self.loop.depth))
         yield GaugeMetricFamily("pagedlm_running", "Sequences running in the engine",
@@ -100,6 +115,11 @@ def _prefix_cache(blocks) -> Iterable:
                             value=_safe(lambda: blocks.num_shared))
 
 
+def _kv_fraction(engine: "LLMEngine") -> float:
+    usage = engine.kv_usage()
+    return usage.allocated / usage.capacity if usage.capacity else 0.0
+
+
 def _safe_usage(engine: "LLMEngine") -> tuple[float, float]:
     try:
         usage = engine.kv_usage()
@@ -113,7 +133,8 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pagedlm_requests", "Generation requests by endpoint and outcome",
@@ -130,9 +151,50 @@ class Metrics:
         self.itl = Histogram("pagedlm_inter_token_latency_seconds", "Between consecutive tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
 
+        def per_sequence(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
+
+        self.e2e = per_sequence("pagedlm_e2e_request_latency_seconds",
+                                "Per sequence that got a token: request arrival to its end", REQUEST_BUCKETS)
+        self.queue_time = per_sequence("pagedlm_request_queue_time_seconds",
+                                       "Per sequence: request arrival to its first step", REQUEST_BUCKETS)
+        self.prefill_time = per_sequence("pagedlm_request_prefill_time_seconds",
+                                         "Per sequence: first step to first token (the prompt's chunks)",
+                                         REQUEST_BUCKETS)
+        self.decode_time = per_sequence("pagedlm_request_decode_time_seconds",
+                                        "Per sequence: first token to its end", REQUEST_BUCKETS)
+        self.request_prompt_tokens = per_sequence("pagedlm_request_prompt_tokens",
+                                                  "Per sequence: prompt tokens (reused ones included)", TOKEN_BUCKETS)
+        self.request_generation_tokens = per_sequence("pagedlm_request_generation_tokens",
+                                                      "Per sequence: tokens generated", TOKEN_BUCKETS)
+        self.finished = Counter("pagedlm_request_success", "Sequences ended, by finish reason (stop: end of "
+                                "sequence, a stop string or token; length: max_tokens or the context; abort: "
+                                "the client left or the request failed)", ["finished_reason", "model_name"],
+                                registry=r)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason, model_name)
+
     def bind(self, engine: "LLMEngine", loop: "EngineLoop") -> None:
         """Export the state gauges of ``engine`` and its ``loop``."""
-        self.registry.register(_StateCollector(engine, loop))
+        self.registry.register(_StateCollector(engine, loop, self.model_name))
+
+    def observe_request(self, job: "Job") -> None:
+        """Count a job that ends (finished, cancelled or failed): its tokens,
+        and per sequence its times, sizes and finish reason."""
+        now = time.perf_counter()
+        self.prompt_tokens.inc(sum(s.num_prompt for s in job.seqs))
+        self.generation_tokens.inc(sum(len(s.output_ids) for s in job.seqs))
+        for seq in job.seqs:
+            reason = seq.finish_reason if seq.finish_reason in FINISH_REASONS else "abort"
+            self.finished.labels(reason, self.model_name).inc()
+            if seq.first_token_at is None:  # never got a token: no times to tell
+                continue
+            self.e2e.observe(now - job.created)
+            self.queue_time.observe(seq.first_scheduled - job.created)
+            self.prefill_time.observe(seq.first_token_at - seq.first_scheduled)
+            self.decode_time.observe(now - seq.first_token_at)
+            self.request_prompt_tokens.observe(seq.num_prompt)
+            self.request_generation_tokens.observe(len(seq.output_ids))
 
     def record(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()

@@ -1,18 +1,23 @@
 """OpenAI-shaped request and response models, and the error every refusal raises.
 
 Requests are validated strictly (``"5"`` is not an integer, ``1`` is not a
-boolean): a wrong type is the client's bug and gets a 400 naming the field.
-Unknown fields are ignored, as OpenAI-compatible clients send extras. Value
-ranges of the sampling fields are checked by ``GenerateOptions.validate``,
-the one place they live.
+boolean; ``1.0`` is one, as JSON Schema counts it): a wrong type is the
+client's bug and gets a 400 naming the field. No field is silently ignored:
+besides the fields declared here, a request may carry only the metadata of
+``IGNORED`` (accepted, documented as ignored) and, with a value that asks for
+nothing, the fields of ``REFUSED`` (OpenAI's or vLLM's, not implemented:
+anything else in them is a 400 naming the field and why). Any other field is
+refused as unknown, as OpenAI's own API does (vLLM logs and ignores it).
+A field sent as null is a field not sent. Value ranges of the sampling
+fields are checked by ``SamplingParams.validate``, the one place they live.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer
 
 # ---------------------------------------------------------------------------
 # Errors
@@ -72,11 +77,14 @@ def _field_names() -> frozenset[str]:
     return frozenset(names)
 
 
-def parse(model: type[BaseModel], body: bytes) -> Any:
+def parse(model: type["_Request"], body: bytes) -> Any:
+    """The request in ``body``, or the `APIError` of its first problem."""
     try:
-        return model.model_validate_json(body)
+        request = model.model_validate_json(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    request.refuse_extras()
+    return request
 
 
 class ErrorDetail(BaseModel):
@@ -94,8 +102,87 @@ class ErrorResponse(BaseModel):
 # Requests
 
 
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer field: a JSON integer, or a number with no fractional part (1.0);
+# never 1.5, "1" or true.
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _off(*noop: Any) -> Callable[[Any], bool]:
+    """A REFUSED rule: the value asks for nothing when it is one of ``noop``
+    (null always does)."""
+    return lambda value: value in noop
+
+
+STRUCTURED = "structured output is not supported yet"
+TOOLS = "tool and function calling is not supported yet"
+
+# Metadata a request may carry; accepted and ignored (docs/server-config.md).
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                     "prompt_cache_key", "safety_identifier"})
+
+# Fields OpenAI or vLLM define and this server does not implement: each is
+# accepted only with a value that asks for nothing, else refused with its reason.
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "suffix": (_off(""), "suffix (fill-in-the-middle) is not supported"),
+    "response_format": (_off({"type": "text"}), STRUCTURED),
+    **{name: (_off(), STRUCTURED) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern", "structured_outputs", "grammar", "json_schema")},
+    "tools": (_off([]), TOOLS),
+    "tool_choice": (_off("none"), TOOLS),
+    "functions": (_off([]), TOOLS),
+    "function_call": (_off("none"), TOOLS),
+    "use_beam_search": (_off(False), "beam search is not supported"),
+    "echo": (_off(False), "echo is a /v1/completions field; a chat cannot echo its prompt here"),
+    "add_special_tokens": (_off(False), "add_special_tokens on a chat is not supported: the chat "
+                           "template adds the special tokens"),
+    "spaces_between_special_tokens": (_off(True), "special tokens are decoded as the tokenizer "
+                                      "spells them; spaces_between_special_tokens: false is not supported"),
+    "documents": (_off([]), "documents (retrieval templates) are not supported"),
+    "priority": (_off(0), "priority scheduling is not supported: requests run in arrival order"),
+    "return_tokens_as_token_ids": (_off(False), "return_tokens_as_token_ids is not supported"),
+    "modalities": (_off(["text"]), "only text output is supported"),
+    "audio": (_off(), "only text output is supported"),
+    "prediction": (_off(), "predicted outputs are not supported"),
+    "reasoning_effort": (_off(), "reasoning_effort is not supported"),
+    "web_search_options": (_off(), "web search is not supported"),
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": False})
+    _ignored: ClassVar[frozenset[str]] = frozenset()
+    _refused: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+    def _checks_extras(self) -> bool:
+        return True
+
+    def refuse_extras(self, path: str = "") -> None:
+        """Raise the `APIError` of the first field (here or in a nested object)
+        that is neither declared, nor ignored metadata, nor a refused field
+        that asks for nothing."""
+        if self._checks_extras():
+            for name, value in (self.model_extra or {}).items():
+                where = f"{path}.{name}" if path else name
+                if value is None or name in self._ignored:
+                    continue
+                rule = self._refused.get(name)
+                if rule is None:
+                    raise APIError(400, f"{where} is not a field this server knows: unknown fields are "
+                                   f"refused, not ignored (docs/server-config.md lists the fields)",
+                                   param=where, code="unknown_parameter")
+                if not rule[0](value):
+                    raise APIError(400, f"{where}: {rule[1]}", param=where, code="unsupported_parameter")
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            where = f"{path}.{name}" if path else name
+            for i, child in enumerate(value) if isinstance(value, list) else [(None, value)]:
+                if isinstance(child, _Request):
+                    child.refuse_extras(where if i is None else f"{where}[{i}]")
 
 
 class StreamOptions(_Request):
@@ -105,46 +192,99 @@ class StreamOptions(_Request):
 class _GenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    _ignored = IGNORED
+    _refused = REFUSED
+
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # -1 (vLLM's "off") is accepted as 0
+    top_k: Int | None = None  # -1 (vLLM's "off") is accepted as 0
     min_p: float | None = None
     repetition_penalty: float | None = None
-    presence_penalty: float | None = None  # accepted only as 0: not implemented
-    frequency_penalty: float | None = None  # accepted only as 0: not implemented
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    user: str | None = None
+    n: Int | None = None
+    best_of: Int | None = None  # only equal to n: every sequence generated is returned
+    # Keys are token ids written as strings (JSON object keys); biases are
+    # added to the logits, clamped to [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extensions
+    min_tokens: Int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: Int | None = None
+    truncate_prompt_tokens: Int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_GenerationRequest):
     # A string, a list of strings (a batch), token ids, or a batch of token ids.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
     echo: bool | None = None
-    logprobs: int | None = None  # the top-k count (0..20)
+    logprobs: Int | None = None  # the top-k count (0..20)
+    add_special_tokens: bool | None = None  # vLLM's: BOS per the model's rule (default true)
 
 
 class ContentPart(_Request):
     type: str
     text: str | None = None
 
+    def _checks_extras(self) -> bool:
+        return self.type == "text"  # other parts are refused whole by the planner
+
+
+# Fields an assistant message read back from an OpenAI response carries (null or empty there).
+_ECHOED = {name: (_off([]), TOOLS if "call" in name else f"{name} is not supported")
+           for name in ("tool_calls", "function_call", "tool_call_id", "refusal", "audio", "annotations")}
+
 
 class ChatMessage(_Request):
+    _refused = _ECHOED
+
     role: str
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # passed to the chat template, as vLLM does
 
 
-class ChatRequest(_GenerationRequest):
+class _ChatTemplateFields(_Request):
+    """How messages become a prompt (chat, and /tokenize with messages)."""
+
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    add_generation_prompt: bool | None = None  # default true: open the assistant's turn
+    continue_final_message: bool | None = None  # end the prompt inside the last message
+    chat_template: str | None = None  # a jinja2 template instead of the model's
+    chat_template_kwargs: dict[str, Any] | None = None  # further template variables
+
+
+class ChatRequest(_GenerationRequest, _ChatTemplateFields):
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = None  # default true
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    _refused = {"add_special_tokens": REFUSED["add_special_tokens"]}
+
+    model: str | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Int]
 
 
 # ---------------------------------------------------------------------------
@@ -172,11 +312,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's logprob in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int  # among the whole vocabulary: 1 = the most likely
+    decoded_token: str
+
+
+# One entry per prompt token, keyed by token id: the token itself and the top k;
+# the first is null (nothing predicts it).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _WithExtension(BaseModel):
@@ -226,6 +381,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(_WithExtension):
@@ -235,6 +391,7 @@ class ChatCompletion(_WithExtension):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: of the rendered chat prompt
     pagedlm: PagedlmInfo | None = None
 
 
@@ -252,6 +409,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -274,3 +432,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -27,6 +27,8 @@ from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
     PagedlmInfo,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     Usage,
 )
@@ -45,6 +47,8 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     items: list[Item] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's field, when asked
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -88,16 +92,32 @@ class Shape:
         c.prompt_tokens, c.completion_tokens = resp.prompt_tokens, resp.generation_tokens
         c.cached_tokens, c.paged = resp.cached_tokens, resp.paged_kv
         if resp.finish_reason is not None:
-            c.finish_reason = resp.finish_reason
+            c.finish_reason, c.stop_reason = resp.finish_reason, resp.seq.stop_reason
         return text, items
 
     def _first(self, index, resp, text, items) -> tuple[str, list[Item]]:
+        k = self.plan.prompt_logprobs
+        if k is not None and resp.prompt_logprobs is not None:
+            self.choices[index].prompt_logprobs = self._prompt_logprobs(
+                self.plan.prompts[index], resp.prompt_logprobs, resp.seq.prompt_logprob_ranks, k)
         return text, items
 
+    def _prompt_logprobs(self, prompt: list[int], scored, ranks: list[int], k: int) -> PromptLogprobs:
+        """vLLM's shape: per prompt token, its id -> logprob, rank, text, and the top k's."""
+        out: PromptLogprobs = [None]  # nothing predicts the first token
+        for token, (lp, top), rank in zip(prompt[1:], scored, ranks):
+            entry = {str(t): PromptLogprob(logprob=v, rank=r, decoded_token=self.token_str(t))
+                     for r, (t, v) in enumerate(top[:k], 1)}
+            entry[str(token)] = PromptLogprob(logprob=lp, rank=rank, decoded_token=self.token_str(token))
+            out.append(entry)
+        return out
+
     def usage(self) -> Usage:
-        prompt = sum(c.prompt_tokens for c in self.choices)
+        """OpenAI's: each prompt counts once, however many choices it has."""
+        firsts = self.choices[:: self.plan.n]
+        prompt = sum(c.prompt_tokens for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
-        cached = sum(c.cached_tokens for c in self.choices)
+        cached = sum(c.cached_tokens for c in firsts)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached})
 
@@ -123,13 +143,14 @@ class CompletionShape(Shape):
     id_prefix = "cmpl-"
 
     def _first(self, index, resp, text, items):
+        text, items = super()._first(index, resp, text, items)
         if self.plan.echo_texts is None:
             return text, items
-        prompt = self.plan.prompts[index]
+        prompt, k = self.plan.prompts[index], self.plan.echo_logprobs
         echoed: list[Item] = []
         if self.logprobs is not None and resp.prompt_logprobs is not None:
             echoed.append((prompt[0], None, None))  # nothing predicts the first token
-            echoed += [(t, lp, top) for t, (lp, top) in zip(prompt[1:], resp.prompt_logprobs)]
+            echoed += [(t, lp, top[:k]) for t, (lp, top) in zip(prompt[1:], resp.prompt_logprobs)]
         return self.plan.echo_texts[index] + text, echoed + items
 
     def _logprobs(self, c: _Choice, items: list[Item]) -> CompletionLogprobs | None:
@@ -153,7 +174,8 @@ class CompletionShape(Shape):
     def response(self) -> dict[str, Any]:
         choices = [
             CompletionChoice(index=i, text="".join(c.text), logprobs=self._logprobs(c, c.items),
-                             finish_reason=c.finish_reason)
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                             prompt_logprobs=c.prompt_logprobs)
             for i, c in enumerate(self.choices)
         ]
         return Completion(id=self.id, created=self.created, model=self.model_id, choices=choices,
@@ -163,7 +185,7 @@ class CompletionShape(Shape):
         text, items = self.add(index, resp)
         c = self.choices[index]
         choice = CompletionChoice(index=index, text=text, logprobs=self._logprobs(c, items),
-                                  finish_reason=resp.finish_reason)
+                                  finish_reason=resp.finish_reason, stop_reason=c.stop_reason)
         return Completion(id=self.id, created=self.created, model=self.model_id,
                           choices=[choice]).model_dump(mode="json")
 
@@ -191,18 +213,19 @@ class ChatShape(Shape):
     def response(self) -> dict[str, Any]:
         choices = [
             ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                       logprobs=self._logprobs(c.items), finish_reason=c.finish_reason)
+                       logprobs=self._logprobs(c.items), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for i, c in enumerate(self.choices)
         ]
         return ChatCompletion(id=self.id, created=self.created, model=self.model_id, choices=choices,
-                              usage=self.usage(), pagedlm=self.info()).model_dump(mode="json")
+                              usage=self.usage(), prompt_logprobs=self.choices[0].prompt_logprobs,
+                              pagedlm=self.info()).model_dump(mode="json")
 
     def chunk(self, index: int, resp: GenerationResponse) -> dict[str, Any]:
         first = not self.choices[index].started
         text, items = self.add(index, resp)
         delta = ChatDelta(role="assistant" if first else None, content=text)
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(items),
-                                 finish_reason=resp.finish_reason)
+                                 finish_reason=resp.finish_reason, stop_reason=self.choices[index].stop_reason)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_id,
                                    choices=[choice]).model_dump(mode="json")
 

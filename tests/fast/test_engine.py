@@ -352,7 +352,7 @@ class _HoldingTokenizer(CharTokenizer):
     """Its detokenizer holds every character back until finalize, as a
     byte-level one holds the bytes of an unfinished character."""
 
-    def detokenizer(self):
+    def detokenizer(self, skip_special_tokens=True):
         class Holding:
             def __init__(self, tok):
                 self.tok, self.ids, self.sent = tok, [], 0

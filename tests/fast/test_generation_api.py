@@ -34,15 +34,17 @@ def test_prompt_logprobs_across_prefill_chunk_boundaries_match_shorter_prompts(m
                                          GenerateOptions(max_tokens=1, prompt_logprobs=1)))
     scored = steps[0].prompt_logprobs
     assert len(scored) == len(ids) - 1  # every prompt token after the first
-    # scored[p - 1] is about ids[p] given ids[:p]; its top-1 is what greedy
-    # decoding of the prompt ids[:p] picks first (a prompt of one chunk or less
-    # where p <= CHUNK).
+    # scored[p - 1] is about ids[p] given ids[:p]; its top-1 is the top-1 of
+    # the first token generated after the prompt ids[:p] (a prompt of one chunk
+    # or less where p <= CHUNK). (Not the token greedy picks: special tokens
+    # are scored but not sampled.)
     for p in (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1):
         chosen_lp, top = scored[p - 1]
         first = list(pagedlm.stream_generate(model, tokenizer, ids[:p],
-                                             GenerateOptions(max_tokens=1, logprobs=0)))[0]
-        assert top[0][0] == first.token, p
-        assert top[0][1] == pytest.approx(first.logprob[0], abs=1e-4), p
+                                             GenerateOptions(max_tokens=1, logprobs=1)))[0]
+        ((want_id, want_lp),) = first.logprob[1]
+        assert top[0][0] == want_id, p
+        assert top[0][1] == pytest.approx(want_lp, abs=1e-4), p
         assert chosen_lp <= top[0][1] + 1e-6
 
 

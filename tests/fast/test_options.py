@@ -33,7 +33,7 @@ def test_block_sizes_in_bounds_are_accepted(good):
 
 
 def test_bad_env_value_is_an_option_error():
-    with pytest.raises(opt.OptionError, match="PAGEDLM_PAGED_KV must be 1 or 0"):
+    with pytest.raises(opt.OptionError, match="PAGEDLM_PAGED_KV must be one of 1, 0, true, false, on, off, yes, no"):
         opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "maybe"})
 
 
@@ -62,14 +62,12 @@ def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
 
 @pytest.mark.parametrize("tiny", [1e-40, 1e-45, 1e-300, 5e-324, 9.9e-6])
 def test_a_temperature_too_small_to_divide_by_is_greedy(tiny):
-    options = opt.GenerateOptions(temperature=tiny)
-    options.validate()
+    options = opt.GenerateOptions(temperature=tiny).validate()
     assert options.temperature == 0.0
 
 
 def test_a_small_but_usable_temperature_is_kept():
-    options = opt.GenerateOptions(temperature=1e-5)
-    options.validate()
+    options = opt.GenerateOptions(temperature=1e-5).validate()
     assert options.temperature == 1e-5
 
 
@@ -81,23 +79,69 @@ def test_server_options_flag_beats_env_beats_default():
         opt.ServerOptions.resolve({"port": "70000"}, {})
 
 
+def case(argv, message, env=None, stdin=None):
+    """One bad command line: argv, a piece of the one-line error, the
+    environment it runs in, the bytes on its standard input."""
+    env = env or {}
+    return pytest.param(argv, message, env, stdin, id=" ".join([*(f"{k}={v}" for k, v in env.items()), *argv])[:70])
+
+
+NO_MODEL = ["--model", "/no/such/model"]  # a check made after loading would report the model instead
+
+
 @pytest.mark.parametrize(
-    "argv,message",
+    "argv,message,env,stdin",
     [
-        (["generate", "--paged-kv", "--paged-kv-block-size", "0", "hi"], "positive integer"),
-        (["generate", "--paged-kv-block-size", "16", "hi"], "needs --paged-kv"),
-        (["generate", "--max-tokens", "0", "hi"], "max_tokens must be >= 1"),
-        (["generate", "--temp", "inf", "hi"], "temperature must be a finite number"),
-        (["generate", "--top-p", "nan", "hi"], "top_p must be a finite number"),
-        (["generate", "--paged-kv", "--paged-kv-block-size", "65536", "hi"], "power of two"),
-        (["generate", "--temp", "abc", "hi"], "invalid float value"),
-        (["generate", "--model", "/no/such/model", "hi"], "/no/such/model"),
-        (["frobnicate"], "invalid choice"),
-        (["generate", "--attention-backend", "triton", "hi"], "add --paged-kv"),
-        (["generate", "--attention-backend", "flash", "--paged-kv", "hi"], "--attention-backend must be"),
+        case(["generate", "--paged-kv", "--paged-kv-block-size", "0", "hi"], "positive integer"),
+        case(["generate", "--paged-kv-block-size", "16", "hi"], "needs --paged-kv"),
+        # the CLI cannot score a prompt: its message does not offer max_tokens 0
+        case(["generate", "--max-tokens", "0", "hi"], "pagedlm generate: --max-tokens must be >= 1 (got 0)\n"),
+        case(["chat", "--max-tokens", "-3"], "pagedlm chat: --max-tokens must be >= 1 (got -3)\n"),
+        case(["generate", "--temp", "inf", "hi"], "temperature must be a finite number"),
+        case(["generate", "--top-p", "nan", "hi"], "top_p must be a finite number"),
+        case(["generate", "--paged-kv", "--paged-kv-block-size", "65536", "hi"], "power of two"),
+        case(["generate", "--temp", "abc", "hi"], "invalid float value"),
+        case(["generate", "--model", "/no/such/model", "hi"], "/no/such/model"),
+        case(["frobnicate"], "invalid choice"),
+        case(["generate", "--attention-backend", "triton", "hi"], "add --paged-kv"),
+        case(["generate", "--attention-backend", "flash", "--paged-kv", "hi"], "--attention-backend must be"),
+        # torch.Generator.manual_seed's range, checked before the model loads (greedy or not)
+        case(["generate", *NO_MODEL, "--seed", "999999999999999999999999", "hi"],
+             "--seed must be an integer from -2**63 to 2**64 - 1 (got 999999999999999999999999)"),
+        case(["generate", *NO_MODEL, "--temp", "0.7", "--seed", str(2**64), "hi"], "--seed must be an integer"),
+        case(["generate", *NO_MODEL, "-"], "standard input is not UTF-8 text (byte 0xe9 at offset 3)",
+             stdin=b"caf\xe9 au lait"),
+        case(["generate", *NO_MODEL, "caf\udce9"], "the prompt is not UTF-8 text"),  # argv bytes that are not UTF-8
+        case(["generate", *NO_MODEL, "--system", "be brief", "hi"], "--system is a chat message: it needs --chat"),
+        case(["generate", *NO_MODEL, "--max-model-len", "0", "hi"], "--max-model-len must be a positive integer"),
+        case(["bench", "decode", *NO_MODEL, "--repeats", "0"], "pagedlm bench decode: --repeats must be >= 1 (got 0)"),
+        case(["bench", "decode", *NO_MODEL, "--prompt-len", "64", "0"], "--prompt-len must be >= 1 (got 0)"),
+        case(["bench", "decode", *NO_MODEL, "--gen-len", "1"], "--gen-len must be >= 2 (got 1)"),
+        case(["bench", "throughput", *NO_MODEL, "--num-prompts", "0"], "--num-prompts must be >= 1 (got 0)"),
+        case(["bench", "memory", *NO_MODEL, "--num-long", "-1"], "--num-long must be >= 1 (got -1)"),
+        case(["bench", "prefix", *NO_MODEL, "--turns", "0"], "--turns must be >= 1 (got 0)"),
+        case(["bench", "ppl", *NO_MODEL, "--tokens", "0"], "--tokens must be >= 1 (got 0)"),
+        # environment values are named by their variable, and say what they may be
+        case(["generate", *NO_MODEL, "hi"],
+             "PAGEDLM_PREFIX_CACHING must be one of 1, 0, true, false, on, off, yes, no (got 'maybe')",
+             env={"PAGEDLM_PREFIX_CACHING": "maybe"}),
+        case(["generate", *NO_MODEL, "hi"], "PAGEDLM_PREFIX_CACHING=yes: --prefix-caching shares paged KV blocks",
+             env={"PAGEDLM_PREFIX_CACHING": "yes"}),
+        case(["generate", *NO_MODEL, "hi"], "error: PAGEDLM_MAX_NUM_SEQS must be a positive integer (got 'lots')",
+             env={"PAGEDLM_MAX_NUM_SEQS": "lots"}),
+        case(["serve", *NO_MODEL], "error: PAGEDLM_MAX_NUM_SEQS must be a positive integer (got 'lots')",
+             env={"PAGEDLM_MAX_NUM_SEQS": "lots"}),
+        case(["generate", *NO_MODEL, "hi"], "PAGEDLM_KV_QUANT=int8: --kv-quant quantizes",
+             env={"PAGEDLM_KV_QUANT": "int8"}),
     ],
 )
-def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys):
+def test_cli_errors_are_one_line_and_exit_2(argv, message, env, stdin, capsys, monkeypatch):
+    import io
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err
@@ -133,5 +177,5 @@ def test_enforce_eager_is_a_switch_with_an_env_variable():
     assert opt.resolve_engine_options({}, environ={"PAGEDLM_ENFORCE_EAGER": "1"}).enforce_eager is True
     assert opt.resolve_engine_options({"enforce_eager": False},
                                       environ={"PAGEDLM_ENFORCE_EAGER": "1"}).enforce_eager is False
-    with pytest.raises(opt.OptionError, match="PAGEDLM_ENFORCE_EAGER must be 1 or 0"):
+    with pytest.raises(opt.OptionError, match="PAGEDLM_ENFORCE_EAGER must be one of 1, 0, "):
         opt.resolve_engine_options({}, environ={"PAGEDLM_ENFORCE_EAGER": "maybe"})

@@ -15,16 +15,18 @@ Bounds are derived, not fitted:
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedlm import options as opt
 from pagedlm.batch.solo import Solo
 from pagedlm.cli import main
-from pagedlm.kernels.quant import GROUP_SIZE, QuantizedWeight, dequantize, quantize
-from pagedlm.loading import load
+from pagedlm.kernels.quant import ALIGN, GROUP_SIZE, QuantizedWeight, dequantize, quantize
+from pagedlm.loading import load, load_model
 from pagedlm.loading import quant as lq
 from pagedlm.models import build_model
 
@@ -180,13 +182,49 @@ def test_cached_conversion_round_trips_and_matches_in_memory_quantization(name, 
     monkeypatch.setattr(lq, "convert", lambda *a, **k: pytest.fail("converted twice"))
     again = lq.load_quantized(folder, mode, "cpu", torch.float32)
     # same bits as quantizing the float model in memory
-    from pagedlm.loading import load_model
-
     float_model = load_model(folder, "cpu", torch.float32)
     reference = lq.quantize_model(load_model(folder, "cpu", torch.float32), mode)
     assert torch.equal(_logits(model, PROMPT), _logits(reference, PROMPT))
     assert torch.equal(_logits(again, PROMPT), _logits(model, PROMPT))
     assert lq.weight_bytes(model) < lq.weight_bytes(float_model) / (3 if mode == "int8" else 5)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cached_tensors_start_aligned_whatever_the_length_of_the_source_path(mode, tmp_path, monkeypatch):
+    """The cache's header names the source folder, so the folder path's length
+    moves every tensor's offset (issue 27: an int8 weight 8 or 40 bytes past a
+    64-byte boundary crashed torch's CPU int8 product). Eight folder names 8
+    bytes apart in length give the header every length mod 64 that
+    safetensors' own 8-byte padding leaves."""
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "cache"))
+    source = _folder(tmp_path, "llama-tied")
+    reference = _logits(lq.quantize_model(load_model(source, "cpu", torch.float32), mode), PROMPT)
+    for i in range(8):
+        folder = tmp_path / ("m" * (1 + 8 * i))
+        shutil.copytree(source, folder)
+        model = lq.load_quantized(folder, mode, "cpu", torch.float32)
+        with safe_open(lq.quantized_path(folder, mode), "pt") as f:
+            misaligned = {k: f.get_tensor(k).data_ptr() % ALIGN for k in f.keys() if not k.startswith(lq.PAD)}
+        assert misaligned == dict.fromkeys(misaligned, 0), folder.name
+        assert all(b.data_ptr() % ALIGN == 0 for m in lq.quantizable(model).values() for b in m.quant.buffers())
+        assert torch.equal(_logits(model, PROMPT), reference)  # the kernels ran on the mapped weights
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_kernel_buffers_are_aligned_copies_of_misaligned_stored_tensors(mode):
+    """A cache file written before the aligned layout (or any misaligned view)
+    is copied at load, never handed to a kernel as it is."""
+    w = _weight()
+    stored = quantize(w, mode)
+    shifted = {}
+    for name, t in stored.items():
+        raw = torch.empty(t.numel() * t.element_size() + 8, dtype=torch.uint8)
+        shifted[name] = raw[8:].view(t.dtype).view(t.shape).copy_(t)  # 8 bytes past an aligned allocation
+    assert all(t.data_ptr() % ALIGN for t in shifted.values())
+    qw = QuantizedWeight.from_stored(shifted, tuple(w.shape), "cpu", rows=True)
+    assert all(b.data_ptr() % ALIGN == 0 for b in qw.buffers())
+    x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(3))
+    assert torch.equal(qw.linear(x), QuantizedWeight.from_stored(stored, tuple(w.shape), "cpu").linear(x))
 
 
 def test_a_changed_source_is_converted_again(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@ import torch
 
 from pagedlm.batch.sequence import Sequence, StopMatcher
 from pagedlm.options import GenerateOptions
-from pagedlm.sampling import apply_penalties, sample, sample_row
+from pagedlm.sampling import TokenRules, apply_penalties, sample, sample_row
 
 
 def Sampler(options, tokens=(2,), output=()):  # noqa: N802 - reads like the sampler it stands for
@@ -62,14 +62,34 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     assert apply_penalties(logits, seq).tolist() == [0.0, -1.0, -0.75, 0.0]
 
 
-def test_batched_sample_matches_row_by_row():
-    """Greedy rows share one argmax, the others draw row by row with their own generators."""
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+def _drawn(probs, seed):
+    return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+
+
+def test_batched_sample_matches_an_independent_reference():
+    """Greedy rows share one argmax (kept only where the row's rules permit
+    it), the others draw with their own generators; each row checked against
+    the textbook formula, not against the sampler's own row path."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    banned_best = int(logits[4].argmax())
     opts = [GenerateOptions(), GenerateOptions(temperature=1.0, seed=1), GenerateOptions(repetition_penalty=1.5),
-            GenerateOptions(temperature=0.5, top_k=5, seed=2)]
-    batch = [Sequence([7, 8], o, set(), None) for o in opts]
-    alone = [Sampler(o, tokens=[7, 8])(row) for o, row in zip(opts, logits)]
-    assert sample(logits, batch) == alone
+            GenerateOptions(temperature=0.5, top_k=5, seed=2), GenerateOptions()]
+    seen = [int(logits[2].argmax()), 8]  # row 2's prompt: its best token is penalized
+    batch = [Sequence(seen if i == 2 else [7, 8], o, set(), None) for i, o in enumerate(opts)]
+    batch[4].rules = TokenRules(banned=[banned_best])
+    penalized = logits[2].clone()
+    penalized[seen] = torch.where(penalized[seen] > 0, penalized[seen] / 1.5, penalized[seen] * 1.5)
+    cold = logits[3] / 0.5
+    cold[cold < cold.topk(5).values[-1]] = float("-inf")
+    expected = [
+        int(logits[0].argmax()),
+        _drawn(torch.softmax(logits[1], -1), 1),
+        int(penalized.argmax()),
+        _drawn(torch.softmax(cold, -1), 2),
+        int(logits[4].topk(2).indices[1]),  # the best but the banned one
+    ]
+    assert penalized.argmax() != logits[2].argmax() and expected[4] != banned_best  # the cases are real
+    assert sample(logits, batch) == expected
 
 
 def test_extreme_accepted_values_never_make_nan():
@@ -85,14 +105,22 @@ def test_extreme_accepted_values_never_make_nan():
 
 def test_stop_matcher_holds_back_a_partial_stop_and_cuts_at_the_stop():
     m = StopMatcher(["</end>"])
-    assert m.feed("hello </") == ("hello ", False)
-    assert m.feed("e") == ("", False)
-    assert m.feed("nd> more") == ("", True)
+    assert m.feed("hello </") == ("hello ", None)
+    assert m.feed("e") == ("", None)
+    assert m.feed("nd> more") == ("", "</end>")
     m = StopMatcher(["</end>"])
-    assert m.feed("a </b") == ("a </b", False)
+    assert m.feed("a </b") == ("a </b", None)
 
 
 def test_stop_matcher_flushes_held_text_at_the_end():
     m = StopMatcher(["STOP"])
-    assert m.feed("abc ST") == ("abc ", False)
+    assert m.feed("abc ST") == ("abc ", None)
     assert m.flush() == "ST"
+
+
+def test_stop_matcher_keeps_the_stop_string_with_include_and_names_the_first():
+    m = StopMatcher(["END", "</"], include=True)
+    assert m.feed("a </b") == ("a </", "</")
+    m = StopMatcher(["END"], include=True)
+    assert m.feed("x EN") == ("x ", None)
+    assert m.feed("D tail") == ("ENDD"[:3], "END")

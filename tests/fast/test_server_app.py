@@ -23,16 +23,19 @@ MAX_MODEL_LEN = 64
 
 
 def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX_MODEL_LEN,
-             kv_budget_bytes=None):
-    """The app and its planner, as `pagedlm.server.run` wires them."""
+             kv_budget_bytes=None, **server):
+    """The app and its planner, as `pagedlm.server.run` wires them; ``server``:
+    more `ServerOptions` fields (served_model_name, seed, chat_template, CORS)."""
     llm = LLMEngine(model, tokenizer, EngineOptions(paged_kv=paged_kv, max_model_len=max_model_len,
                                                     kv_budget_bytes=kv_budget_bytes,
                                                     prompt_cache_bytes=0 if paged_kv else 1 << 24))
-    metrics = Metrics()
+    options = ServerOptions(model="tiny", api_key=api_key, **server)
+    metrics = Metrics(model_name=options.model_names[0])
     lane = EngineLoop(llm, max_queue=4, metrics=metrics)
-    engine = Engine(llm, "tiny")
+    engine = Engine(llm, list(options.model_names), default_seed=options.seed,
+                    chat_template=options.chat_template)
     metrics.bind(llm, lane)
-    return build_app(engine, lane, metrics, ServerOptions(model="tiny", api_key=api_key)), engine
+    return build_app(engine, lane, metrics, options), engine
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +293,66 @@ def test_a_body_shorter_than_its_content_length_times_out_with_408(model, tokeni
     app, _ = make_app(model, tokenizer)
     status = _asgi(app, [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}])
     assert status == 408
+
+
+# ---------------------------------------------------------------- bad requests (issue 27)
+
+_CHAT = [{"role": "user", "content": "x"}]
+
+BAD = {  # case: (path, body, status, the param the error names)
+    "max_tokens 2.5": ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    "n as a string": ("/v1/completions", {"prompt": "x", "n": "2"}, 400, "n"),
+    "n as a boolean": ("/v1/completions", {"prompt": "x", "n": True}, 400, "n"),
+    "seed 1.5": ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    "logit_bias key not an id": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    "logit_bias id outside the vocabulary": ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}},
+                                             400, "logit_bias"),
+    "logit_bias infinite": ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 1e999}}', 400, "logit_bias"),
+    "logit_bias a list": ("/v1/completions", {"prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
+    "suffix": ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    "best_of above n": ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    "response_format json": ("/v1/chat/completions", {"messages": _CHAT, "response_format": {"type": "json_object"}},
+                             400, "response_format"),
+    "tools": ("/v1/chat/completions", {"messages": _CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    "tool_choice required": ("/v1/chat/completions", {"messages": _CHAT, "tool_choice": "required"}, 400,
+                             "tool_choice"),
+    "guided_json": ("/v1/completions", {"prompt": "x", "guided_json": {}}, 400, "guided_json"),
+    "an unknown field": ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    "an unknown nested field": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "x": 1}]},
+                                400, "messages[0].x"),
+    "prompt_logprobs streamed": ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+                                 "prompt_logprobs"),
+    "prompt_logprobs 21": ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    "min_tokens above max_tokens": ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400,
+                                    "min_tokens"),
+    "stop_token_ids outside the vocabulary": ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400,
+                                              "stop_token_ids"),
+    "allowed_token_ids empty": ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400,
+                                "allowed_token_ids"),
+    "bad_words blank": ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
+    "truncate_prompt_tokens 0": ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
+                                 "truncate_prompt_tokens"),
+    "chat_template that does not compile": ("/v1/chat/completions", {"messages": _CHAT, "chat_template": "{{"},
+                                            400, "chat_template"),
+    "chat_template that raises": ("/v1/chat/completions",
+                                  {"messages": _CHAT, "chat_template": "{{ raise_exception('no') }}"}, 400,
+                                  "chat_template"),
+    "chat_template_kwargs not an object": ("/v1/chat/completions", {"messages": _CHAT, "chat_template_kwargs": [1]},
+                                           400, "chat_template_kwargs"),
+    "continue_final_message with add_generation_prompt": (
+        "/v1/chat/completions", {"messages": _CHAT + [{"role": "assistant", "content": "y"}],
+                                 "continue_final_message": True, "add_generation_prompt": True},
+        400, "continue_final_message"),
+    "tokenize without prompt or messages": ("/tokenize", {}, 400, "prompt"),
+    "tokenize an unknown model": ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    "detokenize a token outside the vocabulary": ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+    "detokenize strings": ("/detokenize", {"tokens": ["a"]}, 400, "tokens[0]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_a_400_naming_the_field(client, case):
+    path, body, status, param = BAD[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert error_of(r, status, param)["message"]

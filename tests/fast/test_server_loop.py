@@ -4,6 +4,7 @@ between steps) on a tiny random-weight model, and request parsing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -154,9 +155,108 @@ def test_parse_refuses_malformed_json():
     assert e.value.code == "invalid_json" and e.value.param is None
 
 
-def test_parse_accepts_every_prompt_form_and_ignores_unknown_fields():
+def test_parse_accepts_every_prompt_form():  # (unknown fields: test_server_app.py)
     for prompt, expected in (('"x"', "x"), ('["x", "y"]', ["x", "y"]), ("[1, 2]", [1, 2]),
                              ("[[1], [2, 3]]", [[1], [2, 3]])):
-        req = parse(CompletionRequest, f'{{"prompt": {prompt}, "best_of": 1, "max_tokens": 3}}'.encode())
+        req = parse(CompletionRequest, f'{{"prompt": {prompt}, "max_tokens": 3}}'.encode())
         assert req.prompt == expected and req.max_tokens == 3
-        assert "best_of" not in req.model_dump()
+
+
+# -- contention: departed clients, fan-out, fairness, slow clients -------------
+
+
+def test_a_departed_client_is_noticed_while_tokens_flow_and_aborted_within_one_step(model, tokenizer):
+    """A steady stream never pauses long enough for a timeout-based poll: the
+    request must look for its client between steps anyway."""
+    loop = loop_for(model, tokenizer)
+    state = {"gone": False, "tokens_then": None}
+
+    async def is_disconnected():
+        return state["gone"]
+
+    async def main():
+        job = loop.submit(plan([5, 6, 7], max_tokens=400))
+        got = 0
+        async for _ in job.events(is_disconnected, poll_s=60):  # a poll by timeout would never fire
+            got += 1
+            if got == 3:
+                state["gone"], state["tokens_then"] = True, len(job.seqs[0].output_ids)
+        while loop.engine.has_unfinished():
+            await asyncio.sleep(0.005)
+        return job
+
+    job = asyncio.run(main())
+    loop.close()
+    (seq,) = job.seqs
+    assert job.cancelled and seq.finish_reason == "abort"
+    # the step that delivered the third token may be followed by one already running
+    assert len(seq.output_ids) <= state["tokens_then"] + 1
+    assert not loop.engine.store.rows and loop.engine.scheduler.reserved_bytes == 0
+
+
+def fan_out(count: int, n: int = 1) -> Plan:
+    p = plan(*([[5 + i, 6]] * n for i in range(count)), max_tokens=2)
+    p.prompts = [ids for group in p.prompts for ids in group]
+    p.options = [SamplingParams(max_tokens=2, ignore_eos=True) for _ in p.prompts]
+    p.n = n
+    return p
+
+
+def test_a_fan_out_over_the_limits_is_refused_without_touching_the_queue(model, tokenizer):
+    loop = EngineLoop(LLMEngine(model, tokenizer, EngineOptions(max_num_seqs=2)), max_queue=8, max_prompts=3)
+
+    async def main():
+        busy = loop.submit(plan([5, 6], max_tokens=30))
+        events = busy.events()
+        await events.__anext__()  # someone is being served
+        for request, limit in ((fan_out(4), "--max-prompts-per-request"), (fan_out(3, n=3), "--max-queue")):
+            with pytest.raises(APIError, match=limit) as e:
+                loop.submit(request)
+            assert e.value.status == 400
+            assert loop.depth == 0 and len(loop.engine.scheduler.waiting) == 0
+        ok = loop.submit(fan_out(2, n=4))  # 8 sequences: all the queue, while nothing waits
+        with pytest.raises(QueueFull, match="adds 1"):
+            loop.submit(plan([1]))
+        rest = [item async for item in events]
+        assert len(rest) == 29  # the busy request was served to its end meanwhile
+        assert len(await collect(ok)) == 8 * 2
+
+    asyncio.run(main())
+    loop.close()
+
+
+def test_one_requests_fan_out_does_not_starve_a_later_request(model, tokenizer):
+    """Two rows, a request of eight sequences first, then a request of one:
+    the later request is admitted at the first free row, not after the eight."""
+    loop = loop_for(model, tokenizer, max_queue=16, max_num_seqs=2)
+    firsts: dict[str, list[float]] = {"big": [], "small": []}
+
+    async def main():
+        big = loop.submit(fan_out(8))
+        small = loop.submit(plan([9, 10], max_tokens=2))
+
+        async def drain(job, name):
+            seen = set()
+            async for index, resp in job.events():
+                if index not in seen:
+                    seen.add(index)
+                    firsts[name].append(resp.seq.first_scheduled)
+        await asyncio.gather(drain(big, "big"), drain(small, "small"))
+
+    asyncio.run(main())
+    loop.close()
+    (small_at,) = firsts["small"]
+    assert sum(t < small_at for t in firsts["big"]) <= 2  # only the two that held the rows
+
+
+def test_the_request_log_line_summarises_prompt_lengths(model, tokenizer, caplog):
+    loop = loop_for(model, tokenizer, max_queue=64)
+
+    async def main():
+        with caplog.at_level(logging.INFO, "pagedlm.server"):
+            await collect(loop.submit(fan_out(40)))
+
+    asyncio.run(main())
+    loop.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request:")]
+    assert "min 2 / max 2 / total 80" in line and len(line) < 200

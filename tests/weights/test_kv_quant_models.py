@@ -45,7 +45,7 @@ def _prompt_logprobs(model, tokenizer, kv_quant: str) -> list[float]:
     llm = LLM(model, tokenizer=tokenizer, paged_kv=True, kv_quant=kv_quant, kv_budget_bytes=1 << 30,
               max_num_batched_tokens=256, max_model_len=4096)
     outs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)
-    return [lp for o in outs for lp, _ in o.prompt_logprobs]
+    return [lp[t].logprob for o in outs for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])

@@ -1,0 +1,164 @@
+"""The command line beyond its one-line errors (tests/fast/test_options.py):
+--version, --help's defaults, the flags shared with vLLM, and `generate` /
+`chat` run on a tiny model (``pagedlm.cli._load`` monkeypatched)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import io
+import signal
+
+import pytest
+
+from pagedlm import cli
+from pagedlm import options as opt
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.cli import build_parser, main
+
+
+@pytest.fixture
+def tiny_load(monkeypatch, model, tokenizer):
+    """`generate` and `chat` load the tiny model of tests/fast/conftest.py."""
+    monkeypatch.setattr(cli, "_load", lambda args: (model, tokenizer))
+    return model, tokenizer
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """``parser`` and every subcommand's parser, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"pagedlm {importlib.metadata.version('pagedlm')}\n"
+
+
+def test_every_option_help_says_its_default(capsys):
+    missing = []
+    for parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.default is argparse.SUPPRESS:  # positionals, --help, --version
+                continue
+            if "default" not in formatter._expand_help(action):
+                missing.append(f"{parser.prog} {action.option_strings[0]}")
+    assert not missing, missing
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "most tokens to generate (default: 256)" in out
+    assert "(env PAGEDLM_ATTENTION_BACKEND; default auto)" in out
+    assert "(env PAGEDLM_ENFORCE_EAGER; default off)" in out
+
+
+def test_enable_prefix_caching_is_vllms_spelling_of_prefix_caching():
+    parse = build_parser().parse_args
+    assert parse(["generate", "--enable-prefix-caching", "x"]).prefix_caching is True
+    assert parse(["generate", "--no-enable-prefix-caching", "x"]).prefix_caching is False
+    assert parse(["serve", "--no-enable-prefix-caching"]).prefix_caching is False
+
+
+@pytest.mark.parametrize("argv", [["generate", "x"], ["chat"], ["bench", "decode"], ["bench", "throughput"],
+                                  ["bench", "memory"], ["bench", "prefix"], ["serve"]])
+def test_max_model_len_is_one_engine_flag_of_every_command(argv):
+    args = build_parser().parse_args([*argv[:2], "--max-model-len", "96", *argv[2:]])
+    if argv[0] == "serve":
+        flags = {name: getattr(args, name) for name in vars(args)}
+        assert opt.ServerOptions.resolve(flags, {}).engine.max_model_len == 96
+    else:
+        assert cli._engine_options(args).max_model_len == 96
+
+
+def test_generate_max_model_len_bounds_the_request(tiny_load, capsys):
+    assert main(["generate", "--max-model-len", "16", "--max-tokens", "8", "a longer prompt than that"]) == 2
+    assert "exceeds max_model_len (16)" in capsys.readouterr().err
+
+
+def test_generate_reads_standard_input_as_utf8_whatever_the_locale(tiny_load, monkeypatch):
+    _, tokenizer = tiny_load
+    seen = []
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: seen.append(text) or [ord(c) % 200 for c in text])
+    # a Latin-1 locale's sys.stdin would decode the two bytes of "é" as two characters
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("café".encode()), encoding="latin-1"))
+    assert main(["generate", "--max-tokens", "2", "-"]) == 0
+    assert seen == ["café"]
+
+
+def test_a_long_prefill_shows_its_progress_on_stderr_only(tiny_load, capsys, monkeypatch):
+    prompt = "hello world, " * 8
+    argv = ["generate", "--max-num-batched-tokens", "8", "--max-tokens", "4", prompt]
+    assert main(argv) == 0
+    quiet = capsys.readouterr()
+    assert "prefill" not in quiet.err  # a prefill under PREFILL_BAR_AFTER_S shows nothing
+    monkeypatch.setattr(cli, "PREFILL_BAR_AFTER_S", 0.0)
+    assert main(argv) == 0
+    shown = capsys.readouterr()
+    assert shown.out == quiet.out  # the text on stdout is the same
+    assert "prefill:" in shown.err and "tok" in shown.err
+
+
+def _chat(monkeypatch, lines, interrupt_at_step=None):
+    """Run `pagedlm chat` on ``lines`` (then Ctrl-C at the prompt); Ctrl-C
+    arrives after the engine's step number ``interrupt_at_step``. The
+    conversations the model was given, one per reply."""
+    feed = iter(lines)
+
+    def fake_input(prompt=""):
+        line = next(feed, None)
+        if line is None:
+            raise KeyboardInterrupt  # Ctrl-C at the >>> prompt
+        return line
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    steps = [0]
+    real_step = LLMEngine.step
+
+    def step(self):
+        out = real_step(self)
+        steps[0] += 1
+        if steps[0] == interrupt_at_step:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    return steps
+
+
+def test_chat_ctrl_c_stops_the_reply_keeps_the_conversation_and_the_chat(tiny_load, monkeypatch, capsys):
+    _, tokenizer = tiny_load
+    conversations = []
+    real_encode_chat = tokenizer.encode_chat
+    monkeypatch.setattr(tokenizer, "encode_chat",
+                        lambda messages, *a, **kw: conversations.append(list(messages))
+                        or real_encode_chat(messages, *a, **kw))
+    # step 1 prefills "hello" and samples the first token, step 2 the second: Ctrl-C there
+    steps = _chat(monkeypatch, ["hello", "and then?"], interrupt_at_step=2)
+    assert main(["chat", "--max-tokens", "40"]) == 0  # Ctrl-C at the prompt still quits, cleanly
+    out = capsys.readouterr()
+    first_reply = out.out.split("\n")[0]
+    assert "prompt: " in out.err and "generation: 2 tokens" in out.err  # the reply stopped after its step
+    assert len(conversations) == 2 and steps[0] > 2  # and the chat went on to the next message
+    assert conversations[1] == [{"role": "user", "content": "hello"},
+                                {"role": "assistant", "content": first_reply},
+                                {"role": "user", "content": "and then?"}]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is Ctrl-C again
+
+
+def test_chat_reset_says_so_and_starts_over(tiny_load, monkeypatch, capsys):
+    _, tokenizer = tiny_load
+    conversations = []
+    real_encode_chat = tokenizer.encode_chat
+    monkeypatch.setattr(tokenizer, "encode_chat",
+                        lambda messages, *a, **kw: conversations.append(list(messages))
+                        or real_encode_chat(messages, *a, **kw))
+    _chat(monkeypatch, ["hi", "/reset", "yo"])
+    assert main(["chat", "--max-tokens", "2", "--system", "be brief"]) == 0
+    assert "conversation reset\n" in capsys.readouterr().err
+    assert conversations[1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}]
