@@ -228,6 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_random_weights(px)
     px.add_argument("--json", action="store_true", help="one JSON object per row")
 
+    ct = bsub.add_parser("contention", help="short requests' time to first token beside a long prompt, "
+                         "against the same requests on an idle engine (in-process, no HTTP)")
+    _add_model_args(ct)
+    _add_engine_args(ct)
+    ct.add_argument("--long-len", action=_AtLeast, default=6000, help="tokens of the long prompt")
+    ct.add_argument("--long-max-tokens", action=_AtLeast, default=4, help="tokens the long prompt generates")
+    ct.add_argument("--num-short", action=_AtLeast, default=32, help="short requests, added a step after it")
+    ct.add_argument("--short-len", action=_AtLeast, default=16, help="prompt tokens of each short request")
+    ct.add_argument("--short-min-tokens", action=_AtLeast, default=4, help="fewest tokens a short request generates")
+    ct.add_argument("--short-max-tokens", action=_AtLeast, default=16, help="most tokens a short request generates")
+    ct.add_argument("--long-alone", action="store_true", help="also time the long prompt alone")
+    ct.add_argument("--seed", type=int, default=0, help="seeds the token ids and output lengths")
+    _add_random_weights(ct)
+    ct.add_argument("--json", action="store_true", help="one JSON object")
+
     pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
                          "none against --quantization and/or --kv-quant")
     _add_model_args(pp)
@@ -458,6 +473,10 @@ def cmd_bench(args) -> int:
         from .bench.prefix import run_prefix_bench
 
         return run_prefix_bench(args, _engine_options(args))
+    if args.bench == "contention":
+        from .bench.contention import run_contention_bench
+
+        return run_contention_bench(args, _engine_options(args))
     if args.bench == "ppl":
         from .bench.ppl import run_ppl_bench
 

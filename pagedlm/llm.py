@@ -83,11 +83,6 @@ class KVStats:
 
 # vLLM's kv_cache_dtype -> our kv_quant ("int8" is ours; vLLM has no int8 KV).
 KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8"}
-# What an EngineOptions sets: given engine_options=, none of these may be given too.
-_ENGINE_KEYWORDS = ("paged_kv", "block_size", "kv_quant", "prefix_caching", "max_num_seqs",
-                    "max_num_batched_tokens", "kv_budget_bytes", "gpu_memory_fraction", "gpu_memory_utilization",
-                    "max_model_len", "attention_backend", "enforce_eager", "enable_prefix_caching",
-                    "kv_cache_dtype")
 _PROMPT_FORMS = ("a prompt is a str, a list of token ids (ints), {'prompt': str} or "
                  "{'prompt_token_ids': [int, ...]}; many prompts are a list of these")
 
@@ -129,10 +124,9 @@ class LLM:
         tensor_parallel_size: int = 1,
         engine_options: EngineOptions | None = None,
     ) -> None:
-        given = {k: v for k, v in locals().items() if k in _ENGINE_KEYWORDS and v is not None}
         if tensor_parallel_size != 1:
             raise OptionError(f"tensor_parallel_size={tensor_parallel_size!r}: pagedlm runs a model on one device")
-        if tokenizer is not None and isinstance(tokenizer, str):
+        if isinstance(tokenizer, str):
             raise TypeError("tokenizer= takes a tokenizer object; a name or path is not supported "
                             "(the model's own tokenizer is used by default)")
         quantization = opt.check_quantization(quantization or "none", "quantization")
@@ -142,22 +136,25 @@ class LLM:
             if tokenizer is None:
                 raise OptionError("LLM(model=<module>) needs tokenizer=")
             dev = _check_module(model, device, dtype, quantization)
+        keywords = {"paged_kv": paged_kv, "block_size": block_size, "kv_quant": kv_quant,
+                    "kv_cache_dtype": kv_cache_dtype, "prefix_caching": prefix_caching,
+                    "enable_prefix_caching": enable_prefix_caching, "max_num_seqs": max_num_seqs,
+                    "max_num_batched_tokens": max_num_batched_tokens, "kv_budget_bytes": kv_budget_bytes,
+                    "gpu_memory_fraction": gpu_memory_fraction, "gpu_memory_utilization": gpu_memory_utilization,
+                    "max_model_len": max_model_len, "attention_backend": attention_backend,
+                    "enforce_eager": enforce_eager}
         if engine_options is not None:
+            given = [name for name, value in keywords.items() if value is not None]
             if given:
                 raise OptionError(f"engine_options= sets the engine's options; drop {', '.join(given)} "
                                   f"(or set them in the EngineOptions)")
             options = engine_options
         else:
-            options = opt.resolve_engine_options(
-                {"paged_kv": paged_kv, "paged_kv_block_size": block_size,
-                 "kv_quant": _alias(kv_quant, "kv_quant", kv_cache_dtype, "kv_cache_dtype", _kv_cache_dtype),
-                 "prefix_caching": _alias(prefix_caching, "prefix_caching", enable_prefix_caching,
-                                          "enable_prefix_caching", bool),
-                 "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                 "kv_budget_bytes": kv_budget_bytes, "gpu_memory_fraction": gpu_memory_fraction,
-                 "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
-                 "attention_backend": attention_backend, "enforce_eager": enforce_eager},
-                environ={}, device=dev)
+            flags = {**keywords, "paged_kv_block_size": block_size,
+                     "kv_quant": _alias(kv_quant, "kv_quant", kv_cache_dtype, "kv_cache_dtype", _kv_cache_dtype),
+                     "prefix_caching": _alias(prefix_caching, "prefix_caching", enable_prefix_caching,
+                                              "enable_prefix_caching", lambda on: on)}
+            options = opt.resolve_engine_options(flags, environ={}, device=dev)
         self._seeds = None if opt.check_seed(seed) is None else random.Random(seed)
         if isinstance(model, str):
             from .loading import load
@@ -196,10 +193,14 @@ class LLM:
         engine = self.engine
         requests: list[tuple[str, str | None, list[int], list[Sequence]]] = []
         try:
-            for (text, ids), p in zip(parsed, params):
+            for i, ((text, ids), p) in enumerate(zip(parsed, params)):
                 request_id = str(self._requests)
+                try:
+                    seqs = engine.add_request(ids, p, request_id)
+                except OptionError as e:  # too long for the model or the KV budget: say which
+                    raise type(e)(f"prompt {i}: {e}") from None
                 self._requests += 1
-                requests.append((request_id, text, ids, engine.add_request(ids, p, request_id)))
+                requests.append((request_id, text, ids, seqs))
             self._run([seq for *_, seqs in requests for seq in seqs], use_tqdm)
         finally:
             for *_, seqs in requests:  # an exception (or Ctrl-C) leaves nothing running
@@ -280,7 +281,7 @@ class LLM:
                 raise TypeError(f"sampling_params must be SamplingParams or a list of them (got {type(p).__name__})")
             if p.seed is None and self._seeds is not None:
                 p = replace(p, seed=self._seeds.getrandbits(63))
-            out.append(p)
+            out.append(p.validate())  # a bad field is refused before any prompt is queued
         return out
 
     # -- the run ------------------------------------------------------------
@@ -304,10 +305,12 @@ class LLM:
                 stats.peak_kv_bytes_allocated = max(stats.peak_kv_bytes_allocated, usage.allocated)
                 stats.peak_running = max(stats.peak_running, len(running))
                 now = time.perf_counter()
-                if not bar.disable and (now - shown >= bar.mininterval or not engine.has_unfinished()):
-                    bar.set_postfix_str(_speed(seqs, now - start))
+                show = not bar.disable and (now - shown >= bar.mininterval or not engine.has_unfinished())
+                if show:  # each step may move the counts, none may finish a sequence: show them anyway
+                    bar.set_postfix_str(_speed(seqs, now - start), refresh=False)
                     shown = now
-                bar.update(sum(1 for o in outs if o.finish_reason is not None))
+                if not bar.update(sum(1 for o in outs if o.finish_reason is not None)) and show:
+                    bar.refresh()
         if stats.steps:
             for name in ("kv_bytes_allocated", "kv_bytes_live", "kv_bytes_padded"):
                 setattr(stats, name, getattr(stats, name) / stats.steps)

@@ -175,16 +175,18 @@ class LLMEngine:
         total memory; the KV cache gets that less what the process holds now
         (the weights). Other processes' memory is not this process's share,
         but it must leave room for the budget."""
-        gib, used = 1024**3, torch.cuda.memory_reserved(self.device)
+        gib, used = 1024**3, torch.cuda.memory_allocated(self.device)
         budget = int(total * utilization) - used
+        available = free + torch.cuda.memory_reserved(self.device) - used  # torch's cached blocks are ours
         name = f"--gpu-memory-utilization {utilization}"
         if budget <= 0:
             raise OptionError(f"{name} allows {total * utilization / gib:.2f} GiB of the GPU's {total / gib:.2f} "
-                              f"GiB, and this process holds {used / gib:.2f} GiB (the weights): nothing is "
-                              f"left for the KV cache; raise it")
-        if budget > free:
-            raise OptionError(f"{name} leaves {budget / gib:.2f} GiB for the KV cache, but only {free / gib:.2f} "
-                              f"GiB of the GPU are free (other processes hold the rest); lower it")
+                              f"GiB, and this process already holds {used / gib:.2f} GiB (weights included): "
+                              f"nothing is left for the KV cache; raise it")
+        if budget > available:
+            raise OptionError(f"{name} leaves {budget / gib:.2f} GiB for the KV cache, but only "
+                              f"{available / gib:.2f} GiB of the GPU are free (other processes hold the rest); "
+                              f"lower it")
         return budget
 
     # -- requests -----------------------------------------------------------

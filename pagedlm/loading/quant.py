@@ -128,10 +128,10 @@ def save_aligned(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     offset = 0
     for name, t in tensors.items():
         if offset % ALIGN:
-            fill = -offset % ALIGN
-            header[f"{PAD}{len(header)}"] = {"dtype": "U8", "shape": [fill], "data_offsets": [offset, offset + fill]}
-            chunks.append(torch.zeros(fill, dtype=torch.uint8))
-            offset += fill
+            gap = -offset % ALIGN
+            header[f"{PAD}{len(header)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            chunks.append(torch.zeros(gap, dtype=torch.uint8))
+            offset += gap
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + data.numel()]}

@@ -189,12 +189,12 @@ class Engine:
         limit = self.max_model_len
         n = req.n or 1
         keep = options.truncate_prompt_tokens
-        choices, per_choice, texts = [], [], []
+        choices, per_choice = [], []
         for p, ids in enumerate(prompts):
             if keep is not None and len(ids) > keep:  # vLLM's truncation: the last k tokens
                 ids = ids[-keep:]
                 if echo_texts is not None:
-                    echo_texts[p] = self.tokenizer.decode(ids, skip_special_tokens=False)
+                    echo_texts[p] = self.tokenizer.decode(ids)  # as a prompt of token ids echoes
             room = limit - len(ids)
             if room < (0 if scoring else 1):
                 raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context length "

@@ -34,6 +34,9 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    120.0, 240.0, 480.0, 960.0, 1920.0)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1 .. 500000 tokens
 FINISH_REASONS = ("stop", "length", "abort")
+PROMPT_CACHE_BOUND = ("finished sequences' KV kept whole for prefix reuse, at most --prompt-cache-bytes and "
+                      "within the one KV budget beside running sequences; the least recently used entry is "
+                      "evicted first, when the cap or an admission needs the room")
 
 
 def outcome_of(status: int) -> str:
@@ -76,15 +79,21 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("pagedlm_preemptions", "Sequences preempted for KV room (recomputed later)",
                                   value=engine.num_preemptions)
         usage = _safe_usage(engine)
-        kv = GaugeMetricFamily("pagedlm_kv_bytes", "Bytes of KV cache", labels=["holder"])
+        kv = GaugeMetricFamily(
+            "pagedlm_kv_bytes", "Bytes of KV cache by holder: running (held by running sequences), live_tokens "
+            "(the part of it holding tokens they attend to), prompt_cache (default store: " + PROMPT_CACHE_BOUND + ")",
+            labels=["holder"])
         kv.add_metric(["running"], usage[0])
         kv.add_metric(["live_tokens"], usage[1])
         pc = engine.prompt_cache
         kv.add_metric(["prompt_cache"], pc.nbytes if pc is not None else 0)
         yield kv
+        yield GaugeMetricFamily("pagedlm_kv_budget_bytes", "The one KV budget: the paged pool, or on the default "
+                                "store the bound on running sequences' reservations plus the prompt cache",
+                                value=engine.kv_budget_bytes)
         if pc is not None:
-            yield GaugeMetricFamily("pagedlm_prompt_cache_entries", "Entries in the prompt cache",
-                                    value=len(pc))
+            yield GaugeMetricFamily("pagedlm_prompt_cache_entries", "Entries in the prompt cache (" +
+                                    PROMPT_CACHE_BOUND + ")", value=len(pc))
             yield CounterMetricFamily("pagedlm_prompt_cache_hits", "Prompt-cache lookups that reused a prefix",
                                       value=pc.hits)
             yield CounterMetricFamily("pagedlm_prompt_cache_misses",

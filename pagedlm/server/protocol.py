@@ -19,6 +19,8 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer
 
+from pagedlm.options import SEED_MAX, SEED_MIN
+
 # ---------------------------------------------------------------------------
 # Errors
 
@@ -204,7 +206,7 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None

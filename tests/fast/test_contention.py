@@ -11,6 +11,7 @@ import pytest
 
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
+from tests.conftest import CharTokenizer, tiny_model
 
 STORES = {"default": {}, "paged": {"paged_kv": PagedKvOptions(block_size=4), "kv_budget_bytes": 1 << 22}}
 BUDGET = 32  # tokens per step: a quarter (8) is the default long-prefill cap
@@ -120,24 +121,23 @@ def held_bytes(engine: LLMEngine) -> int:
     return sum(engine.store.row_bytes(s.seq_id) for s in engine.scheduler.running) + engine.prompt_cache.nbytes
 
 
-def test_live_kv_and_cached_prefixes_stay_inside_one_budget_over_a_soak(tiny):
-    """~200 distinct requests (some sharing a long prefix, so that cached
+@pytest.mark.parametrize("family, count", [("llama", 200), ("gemma3_text", 60)])
+def test_live_kv_and_cached_prefixes_stay_inside_one_budget_over_a_soak(family, count):
+    """~200 distinct requests (60 on Gemma's shape, slower; some sharing a long prefix, so that cached
     entries are trimmed and reused) through a budget that holds a few
     sequences, with a prompt-cache cap far above it: after every step the
     KV held (running + cached) is within the budget, and every request ran
     (admission evicts cached prefixes to make room)."""
-    _, model, tok = tiny
-    one = None
-    engine = LLMEngine(model, tok, EngineOptions(max_num_batched_tokens=64, prompt_cache_bytes=1 << 30))
-    one = engine.scheduler.projected_bytes(300 + 8)
-    engine = LLMEngine(model, tok, EngineOptions(max_num_batched_tokens=64, prompt_cache_bytes=1 << 30,
-                                                 kv_budget_bytes=2 * one))
+    model, tok = tiny_model(family), CharTokenizer()
+    opts = dict(max_num_batched_tokens=128, prompt_cache_bytes=1 << 30)
+    one = LLMEngine(model, tok, EngineOptions(**opts)).scheduler.projected_bytes(264 + 8)
+    engine = LLMEngine(model, tok, EngineOptions(**opts, kv_budget_bytes=2 * one))
     rng = random.Random(7)
-    shared = ids(300, seed=8)
+    shared = ids(264, seed=8)  # past one 256-token growth step: a trimmed entry must shrink
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    seqs, peak_cache, hits = [], 0, 0
-    for i in range(200):
-        prompt = shared + ids(rng.randint(1, 8), seed=100 + i) if i % 10 == 0 else \
+    seqs, peak_cache = [], 0
+    for i in range(count):
+        prompt = shared + ids(rng.randint(1, 8), seed=100 + i) if i % 20 == 0 else \
             shared[: rng.randint(10, 40)] + ids(rng.randint(1, 30), seed=1000 + i)
         seqs += engine.add_request(prompt, params)
         for _ in range(rng.randint(0, 3)):
@@ -149,5 +149,7 @@ def test_live_kv_and_cached_prefixes_stay_inside_one_budget_over_a_soak(tiny):
         engine.step()
         assert held_bytes(engine) <= engine.kv_budget_bytes
     assert all(s.finish_reason == "length" for s in seqs)
-    assert engine.prompt_cache.hits > 0 and peak_cache > 0  # the cache was used inside the budget
+    assert peak_cache > 0  # the cache was used, inside the budget
+    if family == "llama":  # (Gemma's window-8 ring buffers wrap: a shorter prefix of them is gone)
+        assert engine.prompt_cache.hits > 0
     assert held_bytes(engine) == engine.prompt_cache.nbytes <= engine.kv_budget_bytes

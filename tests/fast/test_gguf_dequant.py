@@ -491,5 +491,5 @@ def test_int4_of_a_gguf_whose_file_is_gone_says_so(tmp_path, monkeypatch):
     path = _quantized_gguf(tmp_path, monkeypatch)
     folder = catalog.resolve(path)
     path.unlink()
-    with pytest.raises(FileNotFoundError, match="q4.gguf, which is gone"):
+    with pytest.raises(catalog.LoadError, match="q4.gguf, which is gone"):  # one line on the CLI
         lq.load_quantized(folder, "int4", "cpu", torch.float32)

@@ -210,6 +210,22 @@ def test_cached_tensors_start_aligned_whatever_the_length_of_the_source_path(mod
         assert torch.equal(_logits(model, PROMPT), reference)  # the kernels ran on the mapped weights
 
 
+def test_aligned_file_reads_back_every_dtype_and_odd_size(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(3, generator=g).to(torch.bfloat16), "b": torch.tensor(True),
+               "c": torch.randint(-9, 9, (5, 7), generator=g, dtype=torch.int8), "d": torch.zeros(0, 4),
+               "e": torch.randn(2, 3, generator=g).half(), "f": torch.arange(3, dtype=torch.int64)}
+    path = tmp_path / "x.safetensors"
+    lq.save_aligned(tensors, path, {"source": "/a/path"})
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"source": "/a/path"}
+        back = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(lq.PAD)}
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+        assert back[name].numel() == 0 or back[name].data_ptr() % ALIGN == 0, name
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_kernel_buffers_are_aligned_copies_of_misaligned_stored_tensors(mode):
     """A cache file written before the aligned layout (or any misaligned view)

@@ -4,7 +4,12 @@ between steps) on a tiny random-weight model, and request parsing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import socket
+import threading
+import time
 
 import pytest
 
@@ -260,3 +265,106 @@ def test_the_request_log_line_summarises_prompt_lengths(model, tokenizer, caplog
     loop.close()
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request:")]
     assert "min 2 / max 2 / total 80" in line and len(line) < 200
+
+
+@contextlib.contextmanager
+def slow_client_server(**limits):
+    """A real uvicorn server on 127.0.0.1 with `pagedlm.server.uvicorn_config`
+    (``limits``: ServerOptions fields) over a route that reads its body as
+    the generation routes do."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from pagedlm.options import ServerOptions
+    from pagedlm.server import bind, uvicorn_config
+    from pagedlm.server.app import read_body
+
+    async def on_api_error(request, err):
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def echo(request):
+        return JSONResponse({"bytes": len(await read_body(request))})
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"])], exception_handlers={APIError: on_api_error})
+
+    sock = bind("127.0.0.1", 0)
+    options = ServerOptions(port=sock.getsockname()[1], **limits)
+    server = uvicorn.Server(uvicorn_config(app, options))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield options.port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def closed_after(conn: socket.socket, trickle: bytes, every_s: float, limit_s: float = 5.0) -> tuple[float, bytes]:
+    """Send ``trickle`` a byte every ``every_s`` until the server closes the
+    connection; how long that took and what it answered."""
+    start, answer = time.monotonic(), b""
+    conn.settimeout(every_s)
+    for byte in itertools.cycle(trickle):
+        if time.monotonic() - start > limit_s:
+            raise AssertionError(f"still open after {limit_s}s")
+        try:
+            conn.sendall(bytes([byte]))
+            chunk = conn.recv(4096)
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        answer += chunk
+    return time.monotonic() - start, answer
+
+
+def test_a_client_whose_headers_never_finish_is_cut_at_the_header_deadline():
+    with slow_client_server(header_timeout=0.5) as port:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\n")
+            took, answer = closed_after(conn, b"x-slow: aaaaaaaaaa\r\n", 0.1)
+    assert 0.4 <= took < 2.5 and answer == b""
+
+
+def test_a_trickled_body_gets_408_and_is_cut_at_the_body_deadline_not_per_byte():
+    with slow_client_server(header_timeout=0.5, body_timeout=0.5) as port:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n")
+            took, answer = closed_after(conn, b"{", 0.1)  # a byte every 0.1 s: each pause is short
+    assert 0.4 <= took < 2.5
+    assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer
+
+
+def test_a_kept_alive_connection_owes_its_next_headers_by_the_deadline():
+    with slow_client_server(header_timeout=0.5) as port:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            conn.sendall(b"POST /echo HTTP/1.1\r\n")
+            took, _ = closed_after(conn, b"x-slow: a\r\n", 0.1)
+    assert took < 2.5
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed():
+    with slow_client_server(header_timeout=30, max_connections=2) as port:
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port)) as extra:
+            extra.settimeout(5)
+            answer = extra.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503") and b"--max-connections" in answer
+            assert extra.recv(4096) == b""
+        for conn in held:
+            conn.close()
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port)) as conn:  # room again
+            conn.settimeout(5)
+            conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
