@@ -224,12 +224,13 @@ class LLM:
         ``chat_template``, a Jinja string); ``chat_template_kwargs`` reach
         the template as variables. ``prompt`` is the rendered prompt."""
         conversations = _conversations(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(
-            c, add_generation_prompt, continue_final_message=continue_final_message, chat_template=chat_template,
-            **(chat_template_kwargs or {}))} for c in conversations]
+        template = dict(continue_final_message=continue_final_message, chat_template=chat_template,
+                        **(chat_template_kwargs or {}))
+        tok = self.tokenizer
+        prompts = [{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, **template)} for c in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
-        for out in outputs:
-            out.prompt = self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        for out, c in zip(outputs, conversations):
+            out.prompt = tok.apply_chat_template(c, add_generation_prompt, **template)
         return outputs
 
     # -- inputs -------------------------------------------------------------

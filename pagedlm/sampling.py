@@ -137,6 +137,9 @@ def token_rules(params: SamplingParams, tokenizer: "Tokenizer", vocab_size: int,
     words = bad_words_ids(params.bad_words or (), tokenizer)
     banned = (set(tokenizer.special_token_ids) - eos - named) | {w[0] for w in words if len(w) == 1}
     stop_ids = eos | set(params.stop_token_ids) if params.min_tokens else ()
+    if params.allowed_token_ids and not set(params.allowed_token_ids) - banned - set(stop_ids):
+        raise OptionError("allowed_token_ids must hold a token that bad_words and min_tokens leave "
+                          f"to sample (got {params.allowed_token_ids})")
     return TokenRules(
         banned={i for i in banned if i < vocab_size}, allowed=params.allowed_token_ids, bias=params.logit_bias,
         bad_words=[w for w in words if len(w) > 1], min_tokens=params.min_tokens,
@@ -170,7 +173,8 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_row(logits: torch.Tensor, seq: "Sequence") -> int:
-    """Next token of one row from its float32 logits ``[V]``."""
+    """Next token of one row from its float32 logits ``[V]``: its rules, its
+    penalties, then the argmax or its draw."""
     p = seq.params
     if seq.rules is not None:
         logits = seq.rules.apply(logits, seq.output_ids)

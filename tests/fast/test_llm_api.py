@@ -72,11 +72,22 @@ def test_bad_prompt_forms_are_refused_by_the_api_before_anything_is_queued(llm, 
     assert queued == []
 
 
-def test_sampling_params_must_match_the_prompts(llm):
+def test_sampling_params_are_checked_before_anything_is_queued(llm, monkeypatch):
+    queued = []
+    real = llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *a, **k: queued.append(a) or real(*a, **k))
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
         llm.generate("a", {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(OptionError, match="temperature must be >= 0"):
+        llm.generate(["a", "b"], [SamplingParams(), SamplingParams(temperature=-1.0)], use_tqdm=False)
+    assert queued == []
+    # What only the engine can judge (length against max_model_len) names the prompt;
+    # what was queued before it is taken back.
+    with pytest.raises(OptionError, match=r"prompt 1: the prompt \(8200 tokens\) plus max_tokens \(2\) exceeds"):
+        llm.generate(["a", "x" * 8200], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(queued) == 2 and not llm.engine.has_unfinished()
 
 
 def test_logprobs_are_vllms_dicts_with_rank_and_decoded_token(llm, tokenizer):
@@ -86,7 +97,8 @@ def test_logprobs_are_vllms_dicts_with_rank_and_decoded_token(llm, tokenizer):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     completion = out.outputs[0]
     assert isinstance(completion, CompletionOutput) and len(completion.logprobs) == 8
-    for tokens, positions, k in ((ids[1:], out.prompt_logprobs[1:], 2), (completion.token_ids, completion.logprobs, 3)):
+    scored = ((ids[1:], out.prompt_logprobs[1:], 2), (completion.token_ids, completion.logprobs, 3))
+    for tokens, positions, k in scored:
         for token, position in zip(tokens, positions):
             assert next(iter(position)) == token  # the token there first, then the top k
             assert all(isinstance(lp, Logprob) for lp in position.values())

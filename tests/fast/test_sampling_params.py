@@ -267,3 +267,10 @@ def test_the_tokenizer_knows_control_tokens_and_gemmas_image_markers_are_special
     for skip, expected in ((True, "a<table>a"), (False, "a<start_of_image><table>a")):
         detok = tok.detokenizer(skip)
         assert "".join(detok.add_token(i) for i in ids) + detok.finalize() == expected
+
+
+@pytest.mark.parametrize("fields", [dict(allowed_token_ids=[ord("a")], bad_words=["a"]),
+                                    dict(allowed_token_ids=[EOS], min_tokens=2)])
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(fields):
+    with pytest.raises(OptionError, match="^allowed_token_ids must"):
+        run(SamplingParams(**fields))
