@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from pagedlm.cache.kv import STEP
 from pagedlm.options import RequestTooLarge
@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from pagedlm.cache.store import KVStore
 
     from .block_manager import BlockManager
+
+
+def _request_of(seq: Sequence) -> object:
+    return seq.request_id if seq.request_id is not None else ("sequence", seq.seq_id)
 
 
 class Scheduler:
@@ -203,32 +207,39 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             self._budget -= n
 
-    def _admission_order(self) -> list[Sequence]:
+    def _admission_order(self) -> Iterator[Sequence]:
         """The waiting sequences, the request with the fewest sequences running
-        first (ties: the request whose first sequence waits longest), taking
-        one sequence of a request at a time. Sequences without a request id
-        are each a request of their own, so alone they keep arrival order."""
+        first (ties: the request whose first sequence waits longest), one
+        sequence of a request at a time. A sequence without a request id is
+        a request of its own. Lazy: the requests with nothing running come
+        first in arrival order, so a queue of distinct requests costs only
+        the sequences admitted."""
         waiting = list(self.waiting)
-        if all(s.request_id is None for s in waiting):
-            return waiting
-        groups: dict[object, deque[Sequence]] = {}
-        for seq in waiting:
-            key = seq.request_id if seq.request_id is not None else ("seq", seq.seq_id)
-            groups.setdefault(key, deque()).append(seq)
         running: dict[object, int] = {}
         for seq in self.running:
-            if seq.request_id is not None:
-                running[seq.request_id] = running.get(seq.request_id, 0) + 1
-        heap = [(running.get(key, 0), i, key) for i, key in enumerate(groups)]
+            key = _request_of(seq)
+            running[key] = running.get(key, 0) + 1
+        given: set[int] = set()
+        first_of: set[object] = set()
+        for seq in waiting:  # round one: each request with nothing running, its first sequence
+            key = _request_of(seq)
+            if key not in first_of:
+                first_of.add(key)
+                if key not in running:
+                    given.add(seq.seq_id)
+                    yield seq
+        groups: dict[object, deque[Sequence]] = {}
+        for seq in waiting:
+            if seq.seq_id not in given:
+                groups.setdefault(_request_of(seq), deque()).append(seq)
+        heap = [(running.get(key, 0) + (key not in running), i, key) for i, key in enumerate(groups)]
         heapq.heapify(heap)
-        order = []
         while heap:
             count, i, key = heapq.heappop(heap)
             group = groups[key]
-            order.append(group.popleft())
+            yield group.popleft()
             if group:
                 heapq.heappush(heap, (count + 1, i, key))
-        return order
 
     def _allocate(self, seq: Sequence, n: int) -> list[tuple[int, int]] | None:
         """Blocks for ``seq``'s next ``n`` tokens; a cached or shared block they

@@ -153,3 +153,14 @@ def test_live_kv_and_cached_prefixes_stay_inside_one_budget_over_a_soak(family, 
     if family == "llama":  # (Gemma's window-8 ring buffers wrap: a shorter prefix of them is gone)
         assert engine.prompt_cache.hits > 0
     assert held_bytes(engine) == engine.prompt_cache.nbytes <= engine.kv_budget_bytes
+
+
+def test_the_scheduling_flags_resolve_from_flags_and_environment():
+    from pagedlm.options import OptionError, resolve_engine_options
+
+    env = {"PAGEDLM_LONG_PREFILL_TOKEN_THRESHOLD": "64", "PAGEDLM_MAX_NUM_PARTIAL_PREFILLS": "3"}
+    opts = resolve_engine_options({}, env)
+    assert (opts.long_prefill_token_threshold, opts.max_num_partial_prefills) == (64, 3)
+    assert resolve_engine_options({"long_prefill_token_threshold": "0"}, env).long_prefill_token_threshold == 0
+    with pytest.raises(OptionError, match="--max-num-partial-prefills"):
+        resolve_engine_options({"max_num_partial_prefills": "0"}, {})

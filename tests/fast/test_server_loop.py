@@ -368,3 +368,16 @@ def test_connections_past_the_cap_are_answered_503_and_closed():
             conn.settimeout(5)
             conn.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
             assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+def test_metrics_export_the_one_kv_budget(model, tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedlm.server.metrics import Metrics
+
+    loop = loop_for(model, tokenizer, kv_budget_bytes=1 << 24, prompt_cache_bytes=1 << 30)
+    metrics = Metrics(model_name="tiny")
+    metrics.bind(loop.engine, loop)
+    loop.close()
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert values["pagedlm_kv_budget_bytes"] == 1 << 24
