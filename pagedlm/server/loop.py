@@ -47,7 +47,8 @@ _DONE = object()
 
 
 class QueueFull(Exception):
-    """``max_queue`` sequences already wait to be admitted."""
+    """The queue (``max_queue`` sequences waiting to be admitted) cannot take
+    all of a request's sequences now."""
 
 
 class Job:
