@@ -9,6 +9,13 @@ One request at a time: ``model, tokenizer = pagedlm.load(...)`` and
 ``pagedlm.generate(model, tokenizer, prompt)`` / ``stream_generate``.
 """
 
+import importlib.metadata
+
+try:
+    __version__ = importlib.metadata.version("pagedlm")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown (not installed)"
+
 from .batch.engine import LLMEngine
 from .generate import GenerationResponse, generate, stream_generate
 from .llm import LLM, CompletionOutput, Logprob, RequestOutput
@@ -17,4 +24,4 @@ from .options import EngineOptions, GenerateOptions, PagedKvOptions, SamplingPar
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LLMEngine",
            "EngineOptions", "load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",
-           "GenerationResponse"]
+           "GenerationResponse", "__version__"]

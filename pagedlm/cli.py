@@ -7,13 +7,13 @@ combination) are one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import signal
 import sys
 import time
 from typing import Iterator, Sequence
 
+from . import __version__
 from . import options as opt
 
 
@@ -65,13 +65,6 @@ class _AtLeast(argparse.Action):
             if value < self.low:
                 raise argparse.ArgumentError(None, f"{option_string} must be >= {self.low} (got {value})")
         setattr(namespace, self.dest, values)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pagedlm")
-    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "unknown (not installed)"
 
 
 def _row_help(row: opt.Flag, defaults: object) -> str:
@@ -136,7 +129,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedlm", description="Run and serve language models, with an optional paged KV cache.")
-    parser.add_argument("--version", action="version", version=f"pagedlm {_version()}")
+    parser.add_argument("--version", action="version", version=f"pagedlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")

@@ -69,16 +69,10 @@ def _release(device: str) -> None:
 
 
 def make_llm(model, tokenizer, options: opt.EngineOptions):
-    """An `LLM` over an already loaded model, with these engine options."""
+    """An `LLM` over an already loaded model, with exactly these engine options."""
     from ..llm import LLM
 
-    paged = options.paged_kv
-    return LLM(model, tokenizer=tokenizer, paged_kv=paged is not None,
-               block_size=paged.block_size if paged is not None else None, kv_quant=options.kv_quant,
-               prefix_caching=paged.prefix_caching if paged is not None else None,
-               max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-               kv_budget_bytes=options.kv_budget_bytes, gpu_memory_fraction=options.gpu_memory_fraction,
-               max_model_len=options.max_model_len)
+    return LLM(model, tokenizer=tokenizer, engine_options=options)
 
 
 @dataclasses.dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.metadata
 import json
 import logging
 import time
@@ -24,6 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pagedlm import __version__
 from pagedlm.options import OptionError, ServerOptions
 
 from .loop import EngineLoop, Job, QueueFull
@@ -190,7 +190,7 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> dict:
-        return {"version": importlib.metadata.version("pagedlm")}
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format",

@@ -233,3 +233,19 @@ def test_a_default_store_row_drops_the_paged_backend():
 
     options = EngineOptions(paged_kv=PagedKvOptions(16), attention_backend="triton", kv_quant="int8", max_num_seqs=3)
     assert default_store(options) == EngineOptions(max_num_seqs=3)
+
+
+def test_the_throughput_and_memory_benches_run_exactly_the_options_given():
+    """`bench throughput/memory --attention-backend torch --enforce-eager` used
+    to rebuild the engine from a few keywords and run `auto` (the kernels on
+    CUDA): the `LLM` a bench builds must hold every option it was given."""
+    from pagedlm.bench.throughput import make_llm
+    from pagedlm.options import EngineOptions, PagedKvOptions
+
+    from tests.conftest import CharTokenizer, tiny_model
+
+    options = EngineOptions(paged_kv=PagedKvOptions(16, prefix_caching=False), attention_backend="torch",
+                            enforce_eager=True, max_num_seqs=3, max_num_batched_tokens=64,
+                            kv_budget_bytes=1 << 22, max_model_len=128, long_prefill_token_threshold=8)
+    llm = make_llm(tiny_model("llama"), CharTokenizer(), options)
+    assert llm.engine.options == options

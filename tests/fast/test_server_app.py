@@ -9,66 +9,18 @@ import logging
 
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
-from pagedlm.batch.engine import LLMEngine
-from pagedlm.options import EngineOptions, PagedKvOptions, ServerOptions
+from pagedlm.options import PagedKvOptions, ServerOptions
 from pagedlm.server import app as app_module
-from pagedlm.server.app import build_app
-from pagedlm.server.engine import COMPLETION_DEFAULT_MAX_TOKENS, Engine
-from pagedlm.server.loop import EngineLoop
-from pagedlm.server.metrics import Metrics
+from pagedlm.server.engine import COMPLETION_DEFAULT_MAX_TOKENS
 
-MAX_MODEL_LEN = 64
-
-
-def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX_MODEL_LEN,
-             kv_budget_bytes=None, **server):
-    """The app and its planner, as `pagedlm.server.run` wires them; ``server``:
-    more `ServerOptions` fields (served_model_name, seed, chat_template, CORS)."""
-    llm = LLMEngine(model, tokenizer, EngineOptions(paged_kv=paged_kv, max_model_len=max_model_len,
-                                                    kv_budget_bytes=kv_budget_bytes,
-                                                    prompt_cache_bytes=0 if paged_kv else 1 << 24))
-    options = ServerOptions(model="tiny", api_key=api_key, **server)
-    metrics = Metrics(model_name=options.model_names[0])
-    lane = EngineLoop(llm, max_queue=4, metrics=metrics)
-    engine = Engine(llm, list(options.model_names), default_seed=options.seed,
-                    chat_template=options.chat_template)
-    metrics.bind(llm, lane)
-    return build_app(engine, lane, metrics, options), engine
-
-
-@pytest.fixture(scope="module")
-def served(model, tokenizer):
-    app, engine = make_app(model, tokenizer)
-    with TestClient(app) as client:
-        yield client, engine
-
-
-@pytest.fixture
-def client(served):
-    return served[0]
-
-
-def metric(client, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(client.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    raise AssertionError(f"{name} {labels} is not in /metrics")
+from tests.fast.server_helpers import MAX_MODEL_LEN, client, error_of, make_app, metric, served  # noqa: F401 (fixtures)
 
 
 def complete(client, **body) -> dict:
     r = client.post("/v1/completions", json={"prompt": "hello world", **body})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def error_of(r, status: int, param: str | None) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
-    return error
 
 
 # ---------------------------------------------------------------- sampling values (item 1)

@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from conftest import tiny_model, tiny_tokenizer
-from test_server_app import make_app
+from tests.fast.server_helpers import make_app
 
 _tokenizer = tiny_tokenizer()
 APP, _ = make_app(tiny_model(_tokenizer.vocab_size), _tokenizer, max_model_len=64)

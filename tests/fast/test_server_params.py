@@ -14,23 +14,11 @@ from pagedlm.options import OptionError, ServerOptions
 from pagedlm.server import _setup_logging, check_tls
 from pagedlm.server.protocol import IGNORED
 
-from test_server_app import error_of, make_app, metric
+from tests.fast.server_helpers import client, error_of, make_app, metric, served  # noqa: F401 (fixtures)
 
 CHAT = [{"role": "user", "content": "hello"}]
 EOS = 2  # <|im_end|> of the tiny tokenizer
 IM_START = 1  # a special (control) token
-
-
-@pytest.fixture(scope="module")
-def served(model, tokenizer):
-    app, engine = make_app(model, tokenizer)
-    with TestClient(app) as client:
-        yield client, engine
-
-
-@pytest.fixture
-def client(served):
-    return served[0]
 
 
 @pytest.fixture(scope="module")
