@@ -249,3 +249,21 @@ def test_the_throughput_and_memory_benches_run_exactly_the_options_given():
                             kv_budget_bytes=1 << 22, max_model_len=128, long_prefill_token_threshold=8)
     llm = make_llm(tiny_model("llama"), CharTokenizer(), options)
     assert llm.engine.options == options
+
+
+def test_contention_rows_on_both_stores(tiny, capsys):
+    """Short requests behind a long prompt start within the scheduler's bound;
+    the long prompt alone is computed, not answered from the prefix cache
+    (a first version timed the same ids again: one step, whatever its length)."""
+    for store in ("--no-paged-kv", "--paged-kv"):
+        argv = ["bench", "contention", "--model", tiny, "--random-weights", "--device", "cpu", store,
+                "--max-num-batched-tokens", "64", "--long-len", "200", "--num-short", "6", "--short-len", "4",
+                "--short-min-tokens", "2", "--short-max-tokens", "3", "--long-alone", "--json"]
+        assert main(argv) == 0
+        (row,) = _rows(capsys)
+        assert row["paged_kv"] is (store == "--paged-kv")
+        assert row["long_prefill_token_threshold"] == 16  # a quarter of the budget
+        # 6 x 4 tokens fit beside the capped chunk: every short request's first token in one step
+        assert row["idle"]["ttft_steps_max"] == row["contended"]["ttft_steps_max"] == 1
+        assert row["long_alone_ttft_steps"] == -(-200 // 64)
+        assert row["long_ttft_steps"] >= row["long_alone_ttft_steps"]
