@@ -70,8 +70,11 @@ class TokenRules:
 
     def permits(self, token: int, output_ids: list[int]) -> bool:
         """May ``token`` follow ``output_ids`` (the bias aside)?"""
-        return (token not in self.banned and (self.allowed is None or token in self.allowed)
-                and token not in self.banned_now(output_ids))
+        if token in self.banned or (self.allowed is not None and token not in self.allowed):
+            return False
+        if not self.bad_words and len(output_ids) >= self.min_tokens:  # nothing banned for now
+            return True
+        return token not in self.banned_now(output_ids)
 
     def _tensor(self, name: str, device: torch.device) -> torch.Tensor:
         key = (name, device)

@@ -139,19 +139,26 @@ class Scheduler:
         rows: list[list] = []  # [sequence, new tokens]
         scheduled: set[int] = set()
         cap = self.long_prefill_token_threshold if self.waiting else self.max_num_batched_tokens
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        decoding, prefilling = [], []
+        for seq in self.running:
+            (decoding if seq.num_tokens - seq.num_computed == 1 else prefilling).append(seq)
+        first_prompt_row = None  # rows before it decode (one token each)
         for seq in decoding + prefilling:  # passes 1 and 2
             if self._budget == 0:
                 break
+            if first_prompt_row is None and seq.num_tokens - seq.num_computed > 1:
+                first_prompt_row = len(rows)
             if seq.status is SequenceStatus.RUNNING:  # not preempted for an earlier row
                 self._add_row(rows, scheduled, seq, min(seq.num_tokens - seq.num_computed, self._budget, cap))
-        planned = {seq.seq_id: n for seq, n in rows}
+        if first_prompt_row is None:
+            first_prompt_row = len(rows)
+        planned = {seq.seq_id: n for seq, n in rows[first_prompt_row:]}
         partial = sum(1 for s in prefilling if s.status is SequenceStatus.RUNNING
                       and s.num_tokens - s.num_computed > planned.get(s.seq_id, 0))
         if not self._preempted:  # no admissions in a step that had to preempt: room is short already
             self._admit(rows, scheduled, partial)
-        for row in rows:  # pass 4: the budget nobody took
+        # pass 4: the budget nobody took, to the prompt rows (decode rows, first, take exactly 1)
+        for row in rows[first_prompt_row:] if self._budget else ():
             seq, n = row
             extra = min(seq.num_tokens - seq.num_computed - n, self._budget)
             if extra > 0 and (self.blocks is None or self._allocate(seq, n + extra) is not None):
