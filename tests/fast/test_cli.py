@@ -131,13 +131,19 @@ def _chat(monkeypatch, lines, interrupt_at_step=None):
     return steps
 
 
-def test_chat_ctrl_c_stops_the_reply_keeps_the_conversation_and_the_chat(tiny_load, monkeypatch, capsys):
-    _, tokenizer = tiny_load
+def _record_conversations(tokenizer, monkeypatch) -> list:
+    """The messages of each turn, as the chat hands them to the template."""
     conversations = []
     real_encode_chat = tokenizer.encode_chat
     monkeypatch.setattr(tokenizer, "encode_chat",
                         lambda messages, *a, **kw: conversations.append(list(messages))
                         or real_encode_chat(messages, *a, **kw))
+    return conversations
+
+
+def test_chat_ctrl_c_stops_the_reply_keeps_the_conversation_and_the_chat(tiny_load, monkeypatch, capsys):
+    _, tokenizer = tiny_load
+    conversations = _record_conversations(tokenizer, monkeypatch)
     # step 1 prefills "hello" and samples the first token, step 2 the second: Ctrl-C there
     steps = _chat(monkeypatch, ["hello", "and then?"], interrupt_at_step=2)
     assert main(["chat", "--max-tokens", "40"]) == 0  # Ctrl-C at the prompt still quits, cleanly
@@ -153,11 +159,7 @@ def test_chat_ctrl_c_stops_the_reply_keeps_the_conversation_and_the_chat(tiny_lo
 
 def test_chat_reset_says_so_and_starts_over(tiny_load, monkeypatch, capsys):
     _, tokenizer = tiny_load
-    conversations = []
-    real_encode_chat = tokenizer.encode_chat
-    monkeypatch.setattr(tokenizer, "encode_chat",
-                        lambda messages, *a, **kw: conversations.append(list(messages))
-                        or real_encode_chat(messages, *a, **kw))
+    conversations = _record_conversations(tokenizer, monkeypatch)
     _chat(monkeypatch, ["hi", "/reset", "yo"])
     assert main(["chat", "--max-tokens", "2", "--system", "be brief"]) == 0
     assert "conversation reset\n" in capsys.readouterr().err
