@@ -327,11 +327,10 @@ def cmd_generate(args) -> int:
 class _PrefillBar:
     """A sequence's prefill progress on stderr, once it has taken PREFILL_BAR_AFTER_S."""
 
-    def __init__(self, seq) -> None:
-        self.seq, self.started, self.bar = seq, time.perf_counter(), None
+    def __init__(self) -> None:
+        self.started, self.bar = time.perf_counter(), None
 
-    def update(self) -> None:
-        seq = self.seq
+    def update(self, seq) -> None:
         if seq.num_computed >= seq.num_prompt:
             self.close()
             return
@@ -371,17 +370,16 @@ class _Interrupt:
 def _stream(engine, ids: list[int], options: opt.SamplingParams,
             interrupt: _Interrupt | None = None) -> Iterator:
     """`LLMEngine.stream` with a prefill bar; stops (aborting the sequence) when ``interrupt`` is hit."""
-    (seq,) = engine.add_request(ids, options)
-    bar = _PrefillBar(seq)
+    bar = _PrefillBar()
+
+    def before_step(seq) -> bool:
+        bar.update(seq)
+        return interrupt is None or not interrupt.hit
+
     try:
-        while not seq.is_finished and not (interrupt is not None and interrupt.hit):
-            bar.update()
-            for out in engine.step():
-                if out.seq is seq:
-                    yield out
+        yield from engine.stream(ids, options, before_step=before_step)
     finally:
         bar.close()
-        engine.abort(seq)
 
 
 def _print_stats(r) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -322,12 +322,14 @@ class LLMEngine:
 
     # -- one request alone --------------------------------------------------
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[GenerationResponse]:
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               before_step: Callable[[Sequence], bool] | None = None) -> Iterator[GenerationResponse]:
         """Run one sequence to its end, yielding its responses. Closing the
-        iterator early aborts it."""
+        iterator early aborts it. ``before_step(seq)`` runs before each step
+        (progress, a stop request): False ends the sequence there (aborted)."""
         (seq,) = self.add_request(prompt_ids, _single(params))
         try:
-            while not seq.is_finished:
+            while not seq.is_finished and (before_step is None or before_step(seq)):
                 for out in self.step():
                     if out.seq is seq:
                         yield out
