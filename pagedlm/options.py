@@ -369,6 +369,16 @@ REFUSALS: tuple[Refusal, ...] = (
         "--gpu-memory-utilization sizes the KV budget from CUDA memory; on the CPU give --kv-budget-bytes",
     ),
     Refusal(
+        "half of TLS",
+        lambda s: (s.get("ssl_keyfile") is None) != (s.get("ssl_certfile") is None),
+        "--ssl-keyfile and --ssl-certfile go together: give both for TLS, or neither",
+    ),
+    Refusal(
+        "CORS details without origins",
+        lambda s: not s.get("allowed_origins") and ("allowed_methods" in s or "allowed_headers" in s),
+        "--allowed-methods and --allowed-headers need --allowed-origins (CORS is off without it)",
+    ),
+    Refusal(
         "triton attention without paging",
         lambda s: s.get("attention_backend") == "triton" and not s.get("paged_kv"),
         "--attention-backend triton reads the paged pools; add --paged-kv",
@@ -733,14 +743,10 @@ class ServerOptions:
         """Explicit flag > environment variable > default, for every option."""
         env = os.environ if environ is None else environ
         opts = cls()
-        values = _flags_or_env(SERVER_FLAGS, flags, env)[0]
+        values, set_by = _flags_or_env(SERVER_FLAGS, flags, env)
         for name, value in values.items():
             setattr(opts, name, value)
-        if (opts.ssl_keyfile is None) != (opts.ssl_certfile is None):
-            raise OptionError("--ssl-keyfile and --ssl-certfile go together: give both for TLS, or neither")
-        cors = [flag_name(n) for n in ("allowed_methods", "allowed_headers") if n in values]
-        if cors and not opts.allowed_origins:
-            raise OptionError(f"{cors[0]} needs --allowed-origins (CORS is off without it)")
+        check_refusals({**values, "allowed_origins": opts.allowed_origins}, set_by)
         opts.engine = resolve_engine_options(flags, env, resolve_device(opts.device),
                                              prompt_cache_bytes=opts.prompt_cache_bytes)
         return opts

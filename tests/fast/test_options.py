@@ -179,3 +179,25 @@ def test_enforce_eager_is_a_switch_with_an_env_variable():
                                       environ={"PAGEDLM_ENFORCE_EAGER": "1"}).enforce_eager is False
     with pytest.raises(opt.OptionError, match="PAGEDLM_ENFORCE_EAGER must be one of 1, 0, "):
         opt.resolve_engine_options({}, environ={"PAGEDLM_ENFORCE_EAGER": "maybe"})
+
+
+def test_cors_details_without_origins_are_refused_naming_where_they_came_from():
+    from pagedlm.options import ServerOptions
+
+    with pytest.raises(opt.UnsupportedOption, match="need --allowed-origins"):
+        ServerOptions.resolve({"allowed_methods": ["GET"]}, {})
+    with pytest.raises(opt.UnsupportedOption, match="^PAGEDLM_ALLOWED_HEADERS=x: "):
+        ServerOptions.resolve({}, {"PAGEDLM_ALLOWED_HEADERS": "x"})
+    assert ServerOptions.resolve({"allowed_origins": ["*"], "allowed_methods": ["GET"]}, {}).allowed_methods == ("GET",)
+
+
+def test_every_refusal_has_its_row_in_the_cli_docs():
+    """docs/cli.md mirrors options.REFUSALS row for row: as many rows as refusals."""
+    from pathlib import Path
+
+    from pagedlm.options import REFUSALS
+
+    text = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    table = text[text.index("### Refusals"):].split("\n\n")[2]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| ")]  # past the header
+    assert len(rows) - 1 == len(REFUSALS)  # + the engine-start row (a pool smaller than one sequence)
