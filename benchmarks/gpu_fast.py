@@ -22,7 +22,8 @@ from pagedlm.bench.decode import copy_bandwidth, load_random
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels import paged_attention as pa
-from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
+from pagedlm.options import EngineOptions, PagedKvOptions
+from pagedlm.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m": (4, 1, 256)}

@@ -23,7 +23,8 @@ import torch
 from pagedlm.batch import engine as engine_mod
 from pagedlm.bench.decode import load_random
 from pagedlm.batch.engine import LLMEngine
-from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
+from pagedlm.options import EngineOptions, PagedKvOptions
+from pagedlm.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 

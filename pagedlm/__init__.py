@@ -20,7 +20,8 @@ from .batch.engine import LLMEngine
 from .generate import GenerationResponse, generate, stream_generate
 from .llm import LLM, CompletionOutput, Logprob, RequestOutput
 from .loading import load
-from .options import EngineOptions, GenerateOptions, PagedKvOptions, SamplingParams
+from .options import EngineOptions, PagedKvOptions
+from .params import GenerateOptions, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LLMEngine",
            "EngineOptions", "load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",

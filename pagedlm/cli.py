@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 from . import __version__
 from . import options as opt
+from .params import SamplingParams
 
 
 CHAT_PROMPT_CACHE_BYTES = 1 << 62  # one conversation: keep all of it
@@ -251,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sampling_options(args) -> opt.SamplingParams:
-    options = opt.SamplingParams(
+def _sampling_options(args) -> SamplingParams:
+    options = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=opt.check_seed(args.seed, "--seed"),
     )
@@ -367,7 +368,7 @@ class _Interrupt:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def _stream(engine, ids: list[int], options: opt.SamplingParams,
+def _stream(engine, ids: list[int], options: SamplingParams,
             interrupt: _Interrupt | None = None) -> Iterator:
     """`LLMEngine.stream` with a prefill bar; stops (aborting the sequence) when ``interrupt`` is hit."""
     bar = _PrefillBar()

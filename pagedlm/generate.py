@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import torch
 
 from .batch.engine import GenerationResponse, LLMEngine
-from .options import OptionError, SamplingParams
+from .options import OptionError
+from .params import SamplingParams
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer

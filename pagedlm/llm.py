@@ -18,7 +18,8 @@ from . import options as opt
 from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
 from .cache.store import kv_bytes
-from .options import EngineOptions, OptionError, SamplingParams
+from .options import EngineOptions, OptionError
+from .params import SamplingParams
 
 
 @dataclass

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from pagedlm.options import OptionError, SamplingParams
+from pagedlm.options import OptionError
+from pagedlm.params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedlm.batch.sequence import Sequence

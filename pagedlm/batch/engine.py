@@ -27,7 +27,8 @@ from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore, kv_bytes, token_bytes
 from pagedlm.kernels import paged_attention
-from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, SamplingParams, check_refusals
+from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, check_refusals
+from pagedlm.params import SamplingParams
 from pagedlm.sampling import logprobs_of, ranks_of, sample, token_rules
 
 from .block_manager import BlockManager

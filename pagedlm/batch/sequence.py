@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedlm.options import SamplingParams
+from pagedlm.params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedlm.sampling import TokenRules

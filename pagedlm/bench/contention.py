@@ -29,6 +29,7 @@ import time
 import torch
 
 from .. import options as opt
+from ..params import SamplingParams
 from .decode import load_for_bench
 
 
@@ -42,9 +43,9 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _shorts(args, rng: random.Random, vocab: int) -> list[tuple[list[int], opt.SamplingParams]]:
+def _shorts(args, rng: random.Random, vocab: int) -> list[tuple[list[int], SamplingParams]]:
     return [(_ids(rng, args.short_len, vocab),
-             opt.SamplingParams(max_tokens=rng.randint(args.short_min_tokens, args.short_max_tokens),
+             SamplingParams(max_tokens=rng.randint(args.short_min_tokens, args.short_max_tokens),
                                 ignore_eos=True))
             for _ in range(args.num_short)]
 
@@ -93,8 +94,8 @@ def run_contention_bench(args, engine_options: opt.EngineOptions) -> int:
                               f"max_model_len ({engine.max_model_len})")
     vocab = int(model.args.vocab_size)
     rng = random.Random(args.seed)
-    long = (_ids(rng, args.long_len, vocab), opt.SamplingParams(max_tokens=args.long_max_tokens, ignore_eos=True))
-    _run(engine, [(_ids(random.Random(-1), 8, vocab), opt.SamplingParams(max_tokens=2))])  # warm-up
+    long = (_ids(rng, args.long_len, vocab), SamplingParams(max_tokens=args.long_max_tokens, ignore_eos=True))
+    _run(engine, [(_ids(random.Random(-1), 8, vocab), SamplingParams(max_tokens=2))])  # warm-up
     idle = _summary(_run(engine, _shorts(args, rng, vocab)))
 
     contended_shorts = _shorts(args, rng, vocab)

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .. import options as opt
+from ..params import SamplingParams
 from ..cache.kv_quant import KV_QUANT_MODES
 
 FILLER = (
@@ -121,7 +122,7 @@ def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> 
     from ..batch.engine import LLMEngine
 
     engine = LLMEngine(model, tokenizer, engine_options)
-    options = opt.SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    options = SamplingParams(max_tokens=gen_len, ignore_eos=True)
 
     def run(ids: list[int]) -> tuple[float, float]:
         last = None

@@ -39,6 +39,7 @@ import random
 import torch
 
 from .. import options as opt
+from ..params import SamplingParams
 from ..cache.store import kv_bytes, token_bytes
 from .throughput import make_llm
 
@@ -78,7 +79,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     top = min(10000, model.args.vocab_size)
     prompts = ([[rng.randrange(top) for _ in range(args.long_len)] for _ in range(args.num_long)]
                + [[rng.randrange(top) for _ in range(args.short_len)] for _ in range(args.num_short)])
-    params = opt.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     kv_quant = engine_options.kv_quant
     runs = {"default": default_store(base_options),

@@ -34,6 +34,7 @@ import statistics
 import time
 
 from .. import options as opt
+from ..params import SamplingParams
 from .decode import load_for_bench
 
 
@@ -47,7 +48,7 @@ def _engine(model, tokenizer, options: opt.EngineOptions, caching: bool):
 def _first_token_s(engine, ids: list[int], max_tokens: int = 1):
     """Run one request alone: (its sequence, seconds from add to first token)."""
     t0 = time.perf_counter()
-    (seq,) = engine.add_request(ids, opt.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    (seq,) = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     return seq, seq.first_token_at - t0
@@ -56,7 +57,7 @@ def _first_token_s(engine, ids: list[int], max_tokens: int = 1):
 def _shared(engine, prefix: list[int], questions: list[list[int]], max_tokens: int) -> dict:
     blocks = engine.blocks
     per_block = engine.store.pools.nbytes // blocks.num_blocks
-    params = opt.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     seqs = [engine.add_request(prefix + q, params)[0] for q in questions]
     peak_blocks = peak_refs = peak_all = 0

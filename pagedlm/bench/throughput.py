@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from .. import options as opt
+from ..params import SamplingParams
 from ..cache.store import token_bytes
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
@@ -92,8 +93,8 @@ def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: s
     """One engine for every repeat; warmed up once on a tiny batch."""
     llm = make_llm(model, tokenizer, options)
     prompts = [p for p, _ in work]
-    params = [opt.SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate([p[:16] for p in prompts[:4]], opt.SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     def run() -> Run:
         _sync(device)

@@ -48,8 +48,6 @@ from .protocol import (
 from .responses import ChatShape, CompletionShape, Shape
 
 if TYPE_CHECKING:
-    from pagedlm.options import ServerOptions
-
     from .engine import Engine
 
 log = logging.getLogger("pagedlm.server")

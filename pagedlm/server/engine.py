@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedlm.options import OptionError, SamplingParams
+from pagedlm.options import OptionError
+from pagedlm.params import SamplingParams
 from pagedlm.tokenizer import compile_chat_template
 
 from .protocol import APIError, ChatRequest, CompletionRequest, _ChatTemplateFields, _GenerationRequest

@@ -67,3 +67,20 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def model(tokenizer) -> torch.nn.Module:
     return tiny_model(tokenizer.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def served(model, tokenizer):
+    """(client, planner) of the server app over the tiny model (tests.fast.server_helpers.make_app)."""
+    from fastapi.testclient import TestClient
+
+    from tests.fast.server_helpers import make_app
+
+    app, engine = make_app(model, tokenizer)
+    with TestClient(app) as client:
+        yield client, engine
+
+
+@pytest.fixture
+def client(served):
+    return served[0]

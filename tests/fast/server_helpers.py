@@ -3,8 +3,6 @@ wires it, over a tiny model, and readers of its answers."""
 
 from __future__ import annotations
 
-import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedlm.batch.engine import LLMEngine
@@ -31,18 +29,6 @@ def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX
                     chat_template=options.chat_template)
     metrics.bind(llm, lane)
     return build_app(engine, lane, metrics, options), engine
-
-
-@pytest.fixture(scope="module")
-def served(model, tokenizer):
-    app, engine = make_app(model, tokenizer)
-    with TestClient(app) as client:
-        yield client, engine
-
-
-@pytest.fixture
-def client(served):
-    return served[0]
 
 
 def metric(client, name: str, **labels: str) -> float:

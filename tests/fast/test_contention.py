@@ -10,7 +10,8 @@ import random
 import pytest
 
 from pagedlm.batch.engine import LLMEngine
-from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams
+from pagedlm.options import EngineOptions, PagedKvOptions
+from pagedlm.params import SamplingParams
 from tests.conftest import CharTokenizer, tiny_model
 
 STORES = {"default": {}, "paged": {"paged_kv": PagedKvOptions(block_size=4), "kv_budget_bytes": 1 << 22}}

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.solo import Solo
-from pagedlm.options import EngineOptions, OptionError, PagedKvOptions, RequestTooLarge, SamplingParams
+from pagedlm.options import EngineOptions, OptionError, PagedKvOptions, RequestTooLarge
+from pagedlm.params import SamplingParams
 from tests.conftest import CharTokenizer, tiny_model
 
 ATOL = 1e-4  # batched vs alone: GEMM shapes change with the batch (see test_models_vs_hf)

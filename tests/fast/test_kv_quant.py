@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedlm import options as opt
+from pagedlm.params import SamplingParams
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.solo import Solo
 from pagedlm.cache import KVSpec, PagedPools
@@ -167,7 +168,7 @@ def test_the_engine_sizes_its_pool_and_stats_from_8_bit_blocks(family):
     assert quant.blocks.num_blocks == budget // per_block
     assert quant.blocks.num_blocks >= 3.5 * plain.blocks.num_blocks  # float32: 4 * D bytes -> D + 2
     # Live bytes: a running sequence's tokens at 8-bit bytes on the pooled layers.
-    (seq,) = quant.add_request(list(range(5, 45)), opt.SamplingParams(max_tokens=4, ignore_eos=True))
+    (seq,) = quant.add_request(list(range(5, 45)), SamplingParams(max_tokens=4, ignore_eos=True))
     quant.step()
     usage = quant.kv_usage()
     full = [i for i, s in enumerate(model.kv_spec()) if s.window is None]
@@ -195,7 +196,7 @@ def greedy_run(model, tok, kv_quant: str, batch: list[list[int]], block_size: in
     engine = LLMEngine(model, tok, opt.EngineOptions(
         paged_kv=opt.PagedKvOptions(block_size), kv_budget_bytes=1 << 22, kv_quant=kv_quant,
         max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512))
-    params = opt.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
     seqs = [s for ids in batch for s in engine.add_request(ids, params)]
     while engine.has_unfinished():
         engine.step()

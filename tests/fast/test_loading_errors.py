@@ -5,10 +5,8 @@ wrong, exit 2 on the CLI, a ``LoadError`` from the API; never a traceback
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from pagedlm.cli import main

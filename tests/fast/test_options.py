@@ -1,6 +1,7 @@
 import pytest
 
 from pagedlm import options as opt
+from pagedlm.params import GenerateOptions
 from pagedlm.cli import main
 
 
@@ -48,7 +49,7 @@ def test_block_size_without_paging_is_refused():
      ("min_p", 2.0), ("repetition_penalty", 0.0), ("logprobs", 21)],
 )
 def test_generate_options_validate_names_the_bad_field(field, value):
-    options = opt.GenerateOptions(**{field: value})
+    options = GenerateOptions(**{field: value})
     with pytest.raises(opt.OptionError, match=field):
         options.validate()
 
@@ -57,17 +58,17 @@ def test_generate_options_validate_names_the_bad_field(field, value):
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
     with pytest.raises(opt.OptionError, match=f"^{field} must be a finite number"):
-        opt.GenerateOptions(**{field: value}).validate()
+        GenerateOptions(**{field: value}).validate()
 
 
 @pytest.mark.parametrize("tiny", [1e-40, 1e-45, 1e-300, 5e-324, 9.9e-6])
 def test_a_temperature_too_small_to_divide_by_is_greedy(tiny):
-    options = opt.GenerateOptions(temperature=tiny).validate()
+    options = GenerateOptions(temperature=tiny).validate()
     assert options.temperature == 0.0
 
 
 def test_a_small_but_usable_temperature_is_kept():
-    options = opt.GenerateOptions(temperature=1e-5).validate()
+    options = GenerateOptions(temperature=1e-5).validate()
     assert options.temperature == 1e-5
 
 

@@ -20,7 +20,8 @@ from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.sequence import Sequence
 from pagedlm.batch.solo import SOLO, Solo
 from pagedlm.cache import PagedPools
-from pagedlm.options import EngineOptions, PagedKvOptions, SamplingParams, UnsupportedOption, resolve_engine_options
+from pagedlm.options import EngineOptions, PagedKvOptions, UnsupportedOption, resolve_engine_options
+from pagedlm.params import SamplingParams
 from tests.conftest import CharTokenizer, tiny_model
 from tests.fast.test_engine import ATOL, GREEDY, _Ops, block_bytes, drive, prompts, run_all
 

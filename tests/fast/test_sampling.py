@@ -1,7 +1,7 @@
 import torch
 
 from pagedlm.batch.sequence import Sequence, StopMatcher
-from pagedlm.options import GenerateOptions
+from pagedlm.params import GenerateOptions
 from pagedlm.sampling import TokenRules, apply_penalties, sample, sample_row
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.loading import gguf as conv
-from pagedlm.options import OptionError, SamplingParams
+from pagedlm.options import OptionError
+from pagedlm.params import SamplingParams
 from pagedlm.tokenizer import Tokenizer
 from tests.conftest import VOCAB, CharTokenizer, tiny_model
 

@@ -14,7 +14,7 @@ from pagedlm.options import PagedKvOptions, ServerOptions
 from pagedlm.server import app as app_module
 from pagedlm.server.engine import COMPLETION_DEFAULT_MAX_TOKENS
 
-from tests.fast.server_helpers import MAX_MODEL_LEN, client, error_of, make_app, metric, served  # noqa: F401 (fixtures)
+from tests.fast.server_helpers import MAX_MODEL_LEN, error_of, make_app, metric
 
 
 def complete(client, **body) -> dict:

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from pagedlm.batch.engine import LLMEngine
-from pagedlm.options import EngineOptions, SamplingParams
+from pagedlm.options import EngineOptions
+from pagedlm.params import SamplingParams
 from pagedlm.server.engine import Plan
 from pagedlm.server.loop import EngineLoop, QueueFull
 from pagedlm.server.protocol import APIError, ChatRequest, CompletionRequest, parse

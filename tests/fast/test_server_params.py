@@ -14,7 +14,7 @@ from pagedlm.options import OptionError, ServerOptions
 from pagedlm.server import _setup_logging, check_tls
 from pagedlm.server.protocol import IGNORED
 
-from tests.fast.server_helpers import client, error_of, make_app, metric, served  # noqa: F401 (fixtures)
+from tests.fast.server_helpers import error_of, make_app, metric
 
 CHAT = [{"role": "user", "content": "hello"}]
 EOS = 2  # <|im_end|> of the tiny tokenizer

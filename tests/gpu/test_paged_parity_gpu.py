@@ -14,7 +14,7 @@ import torch
 
 from pagedlm.bench.decode import load_random
 from pagedlm.llm import LLM
-from pagedlm.options import SamplingParams
+from pagedlm.params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

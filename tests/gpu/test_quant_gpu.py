@@ -13,7 +13,7 @@ from pagedlm.bench.decode import load_random
 from pagedlm.kernels.quant import QuantizedWeight, dequantize, quantize
 from pagedlm.llm import LLM
 from pagedlm.loading.quant import quantize_model
-from pagedlm.options import SamplingParams
+from pagedlm.params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,7 @@ import torch
 from pagedlm.cache.kv import RotatingKVCache
 from pagedlm.llm import LLM
 from pagedlm.loading import load
-from pagedlm.options import SamplingParams
+from pagedlm.params import SamplingParams
 
 pytestmark = pytest.mark.weights
 

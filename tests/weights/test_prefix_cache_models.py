@@ -13,7 +13,7 @@ import torch
 
 from pagedlm.llm import LLM
 from pagedlm.loading import load
-from pagedlm.options import SamplingParams
+from pagedlm.params import SamplingParams
 
 pytestmark = pytest.mark.weights
 
