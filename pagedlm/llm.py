@@ -19,7 +19,7 @@ from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
 from .cache.store import kv_bytes
 from .options import EngineOptions, OptionError
-from .params import SamplingParams
+from .params import SamplingParams, check_token_ids
 
 
 @dataclass
@@ -262,12 +262,10 @@ class LLM:
         return text, ids
 
     def _token_ids(self, ids: list, i: int) -> list[int]:
-        vocab = self.model.args.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise TypeError(f"prompt {i}: token ids must be ints (got {t!r}, a {type(t).__name__})")
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary (0 to {vocab - 1})")
+        check_token_ids(ids, self.model.args.vocab_size, f"prompt {i}")  # an OptionError is a ValueError
         return list(ids)
 
     def _params(self, given: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -128,6 +128,15 @@ def _token_ids(ids: object) -> bool:
     return isinstance(ids, (list, tuple)) and all(_int(i) and i >= 0 for i in ids)
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> None:
+    """`OptionError` naming ``what`` for the first id outside [0, vocab_size): a
+    prompt's ids, or a field's (the offline API, the server and the engine
+    check with this one rule)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise OptionError(f"{what} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
 def _clamped_bias(bias: object) -> dict[int, float] | None:
     """logit_bias as token id -> a finite bias in [-100, 100] (OpenAI clamps), else `OptionError`."""
     if bias is None:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from pagedlm.options import OptionError
-from pagedlm.params import SamplingParams
+from pagedlm.params import SamplingParams, check_token_ids
 
 if TYPE_CHECKING:
     from pagedlm.batch.sequence import Sequence
@@ -131,10 +131,7 @@ def token_rules(params: SamplingParams, tokenizer: "Tokenizer", vocab_size: int,
     if default is not None and not _asks_rules(params):
         return default
     for name in ("logit_bias", "allowed_token_ids"):
-        outside = [i for i in getattr(params, name) or () if i >= vocab_size]
-        if outside:
-            raise OptionError(f"{name} must hold token ids below the vocabulary size {vocab_size} "
-                              f"(got {outside[0]})")
+        check_token_ids(getattr(params, name) or (), vocab_size, name)
     eos = set(tokenizer.eos_token_ids)
     named = (set(params.allowed_token_ids or ()) | set(params.stop_token_ids)
              | {i for i, b in (params.logit_bias or {}).items() if b > 0})

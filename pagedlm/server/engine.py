@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedlm.options import OptionError
-from pagedlm.params import SamplingParams
+from pagedlm.params import SamplingParams, check_token_ids
 from pagedlm.tokenizer import compile_chat_template
 
 from .protocol import APIError, ChatRequest, CompletionRequest, _ChatTemplateFields, _GenerationRequest
@@ -152,11 +152,11 @@ class Engine:
             stop=stop, logprobs=logprobs, prompt_logprobs=max(asked) if asked else None, **given,
         )
 
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"{param} holds token id {bad[0]}, outside the vocabulary "
-                           f"[0, {self.vocab_size})", param=param)
+    def _check_ids(self, ids: list[int], param: str, what: str | None = None) -> None:
+        try:
+            check_token_ids(ids, self.vocab_size, what or param)
+        except OptionError as e:
+            raise APIError(400, str(e), param=param) from None
 
     def _logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
         """OpenAI's logit_bias (token ids as string keys, as JSON spells them)
@@ -238,10 +238,7 @@ class Engine:
                 text = p
             else:
                 ids = list(p)
-                bad = [t for t in ids if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise APIError(400, f"{param} holds token id {bad[0]}, outside the vocabulary "
-                                   f"[0, {self.vocab_size})", param="prompt")
+                self._check_ids(ids, "prompt", param)
                 text = self.tokenizer.decode(ids) if ids else ""
             if not ids:
                 raise APIError(400, f"{param} is empty", param="prompt")

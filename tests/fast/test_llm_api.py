@@ -50,8 +50,8 @@ BAD_PROMPTS = [
     ({"prompt_token_ids": [5, 6.0]}, TypeError, r"token ids must be ints \(got 6.0"),
     ([1.5, 2.5], TypeError, "token ids must be ints"),
     ([5, True], TypeError, "token ids must be ints"),
-    ([5, 263], ValueError, "token id 263 is outside the vocabulary"),
-    ([-1], ValueError, "token id -1 is outside the vocabulary"),
+    ([5, 263], ValueError, "prompt 0 holds token id 263, outside the vocabulary"),
+    ([-1], ValueError, "prompt 0 holds token id -1, outside the vocabulary"),
     ([], ValueError, "no prompts"),
     ([[]], ValueError, "prompt 0 is empty"),
     ({"prompt_token_ids": []}, ValueError, "prompt 0 is empty"),
@@ -139,9 +139,15 @@ def test_the_rank_of_a_token_outside_the_top_k_is_its_rank_in_the_vocabulary(llm
 def test_cumulative_logprob_is_the_sum_of_the_chosen_tokens_logprobs(llm):
     params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=1.0, seed=3, logprobs=0, n=2)
     (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    ids = out.prompt_token_ids
     for c in out.outputs:
-        assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
         assert c.cumulative_logprob < 0 and all(len(lp) == 1 for lp in c.logprobs)
+        # the same tokens scored again as a prompt (another path: prompt logprobs of one forward pass)
+        (again,) = llm.generate({"prompt_token_ids": ids + c.token_ids},
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        scored = again.prompt_logprobs[len(ids):]
+        assert c.cumulative_logprob == pytest.approx(sum(pl[t].logprob for t, pl in zip(c.token_ids, scored)),
+                                                     abs=1e-4 * len(scored))
     (plain,) = llm.generate(PROMPT, SamplingParams(max_tokens=3), use_tqdm=False)
     assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None
     assert plain.prompt_logprobs is None

@@ -91,22 +91,33 @@ def test_a_job_cancelled_while_queued_never_runs(model, tokenizer):
     assert all(s.finish_reason == "abort" and not s.output_ids for s in queued.seqs)
 
 
-def test_leaving_the_event_stream_aborts_the_sequences_and_frees_them(model, tokenizer):
-    loop = loop_for(model, tokenizer)
+def _run_and_drain(loop, the_plan, client):
+    """Submit ``the_plan``, let ``client(job)`` read its events, wait until the
+    engine has nothing left, close the loop; the job and its sequences, after
+    checking that the engine holds nothing of them."""
 
     async def main():
-        job = loop.submit(plan([5, 6, 7], max_tokens=200))
-        async for _ in job.events():
-            break  # the client left after one token
+        job = loop.submit(the_plan)
+        await client(job)
         while loop.engine.has_unfinished():
             await asyncio.sleep(0.005)
         return job
 
     job = asyncio.run(main())
     loop.close()
-    (seq,) = job.seqs
-    assert seq.finish_reason == "abort" and len(seq.output_ids) < 200
     assert not loop.engine.store.rows and loop.engine.scheduler.reserved_bytes == 0
+    return job, job.seqs
+
+
+def test_leaving_the_event_stream_aborts_the_sequences_and_frees_them(model, tokenizer):
+    loop = loop_for(model, tokenizer)
+
+    async def leave(job):
+        async for _ in job.events():
+            break  # the client left after one token
+
+    job, (seq,) = _run_and_drain(loop, plan([5, 6, 7], max_tokens=200), leave)
+    assert seq.finish_reason == "abort" and len(seq.output_ids) < 200
 
 
 def test_an_engine_refusal_is_raised_to_the_request(model, tokenizer):
@@ -180,24 +191,17 @@ def test_a_departed_client_is_noticed_while_tokens_flow_and_aborted_within_one_s
     async def is_disconnected():
         return state["gone"]
 
-    async def main():
-        job = loop.submit(plan([5, 6, 7], max_tokens=400))
+    async def read_then_leave(job):
         got = 0
         async for _ in job.events(is_disconnected, poll_s=60):  # a poll by timeout would never fire
             got += 1
             if got == 3:
                 state["gone"], state["tokens_then"] = True, len(job.seqs[0].output_ids)
-        while loop.engine.has_unfinished():
-            await asyncio.sleep(0.005)
-        return job
 
-    job = asyncio.run(main())
-    loop.close()
-    (seq,) = job.seqs
+    job, (seq,) = _run_and_drain(loop, plan([5, 6, 7], max_tokens=400), read_then_leave)
     assert job.cancelled and seq.finish_reason == "abort"
     # the step that delivered the third token may be followed by one already running
     assert len(seq.output_ids) <= state["tokens_then"] + 1
-    assert not loop.engine.store.rows and loop.engine.scheduler.reserved_bytes == 0
 
 
 def fan_out(count: int, n: int = 1) -> Plan:
