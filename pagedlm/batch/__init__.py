@@ -2,7 +2,6 @@
 
 from .engine import GenerationResponse, KVUsage, LLMEngine
 from .sequence import Sequence, SequenceStatus
-from .step import StepBatch, prepare_step
+from .step import prepare_step
 
-__all__ = ["GenerationResponse", "KVUsage", "LLMEngine", "Sequence", "SequenceStatus", "StepBatch",
-           "prepare_step"]
+__all__ = ["GenerationResponse", "KVUsage", "LLMEngine", "Sequence", "SequenceStatus", "prepare_step"]

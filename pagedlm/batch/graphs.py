@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .step import StepBatch
+from pagedlm.cache.step import StepBatch
 
 if TYPE_CHECKING:
     from pagedlm.cache.store import KVStore

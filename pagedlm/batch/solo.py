@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 
 from pagedlm.cache.paged import PagedPools
+from pagedlm.cache.step import StepBatch
 from pagedlm.cache.store import KVStore
 from pagedlm.options import DEFAULT_BLOCK_SIZE, OptionError
-
-from .step import StepBatch
 
 SOLO = 0  # the row's id in its own store
 

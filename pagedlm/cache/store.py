@@ -36,7 +36,6 @@ keys before them, and ``seed_row`` fills its ring buffers from that copy.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,20 +46,12 @@ from pagedlm.attention import attend_row, attend_rows
 from pagedlm.cache.base import Cache
 from pagedlm.cache.kv import KVCache, RotatingKVCache, causal_mask
 from pagedlm.cache.kv_quant import head_bytes
+from pagedlm.cache.spec import KVSpec
 from pagedlm.kernels.paged_attention import paged_decode
 
 if TYPE_CHECKING:
-    from pagedlm.batch.step import StepBatch
+    from pagedlm.cache.step import StepBatch
     from pagedlm.cache.paged import PagedPools
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """What one attention layer stores: KV heads, head dim, sliding window (None = full)."""
-
-    num_kv_heads: int
-    head_dim: int
-    window: int | None = None
 
 
 def token_bytes(specs: list[KVSpec], dtype: torch.dtype, kv_quant: str = "none",

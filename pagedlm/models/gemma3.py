@@ -22,7 +22,8 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
-from pagedlm.cache.store import KVSpec, KVStore
+from pagedlm.cache.spec import KVSpec
+from pagedlm.cache.store import KVStore
 from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections, norm_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -16,7 +16,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 
-from pagedlm.cache.store import KVSpec, KVStore
+from pagedlm.cache.spec import KVSpec
+from pagedlm.cache.store import KVStore
 from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections, norm_rope
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
