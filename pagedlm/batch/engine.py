@@ -71,6 +71,26 @@ class KVUsage:
     capacity: int  # the pool (paged) or the budget (default)
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """The KV caches' counters, read by metrics and benches (``LLMEngine.cache_stats``)."""
+
+    kv_budget_bytes: int
+    prompt_cache_entries: int | None  # None: no prompt cache
+    prompt_cache_bytes: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+    blocks_total: int | None  # None: the default store (no pools)
+    blocks_used: int
+    blocks_free: int
+    block_bytes: int  # one block across every pooled layer, scales included (0 without pools)
+    prefix_caching: bool
+    blocks_cached: int
+    blocks_shared: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+
 def model_context_length(model: torch.nn.Module) -> int:
     return int(getattr(model.args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN)
 
@@ -142,8 +162,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.store, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache,
                                    self.long_prefill_token_threshold, options.max_num_partial_prefills)
-        self.paged = pools is not None
-        self.steps = 0
+        self.paged_kv = pools is not None
+        self.attention_backend = "triton" if self.kernels else "torch"
+        self._steps = 0
 
     def _pooled_for_caching(self, spec) -> list[int]:
         """Every layer, when the sliding ones store keys shaped like the full ones."""
@@ -202,9 +223,8 @@ class LLMEngine:
             ids = ids[-params.truncate_prompt_tokens :]
         if not ids:
             raise OptionError("the prompt is empty")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise OptionError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                              f"exceeds max_model_len ({self.max_model_len})")
+        if len(ids) + params.max_tokens > self.max_model_len:  # (the budget is the scheduler's check)
+            self.check_fits(len(ids), params.max_tokens)
         rules = token_rules(params, self.tokenizer, self.vocab_size, self.default_rules)
         seqs = []
         for p in params.continuations():
@@ -220,6 +240,25 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Raise `OptionError` (`RequestTooLarge`) unless a sequence of
+        ``num_prompt`` prompt tokens and up to ``max_tokens`` more could run."""
+        if num_prompt + max_tokens > self.max_model_len:
+            raise OptionError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
+                              f"exceeds max_model_len ({self.max_model_len})")
+        self.scheduler.check_fits(num_prompt, max_tokens)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps run so far (each ran the model once)."""
+        return self._steps
 
     # -- the step -----------------------------------------------------------
 
@@ -248,7 +287,7 @@ class LLMEngine:
             if sampled:
                 tokens = sample(logits, sampled)
         self.store.end_step()
-        self.steps += 1
+        self._steps += 1
         for seq, n in rows:
             seq.num_computed += n
             if self.blocks is not None:
@@ -316,7 +355,7 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt, generation_tokens=n_out, cached_tokens=seq.num_cached,
             prompt_tps=(seq.num_prompt - seq.num_cached) / prefill_s,
             generation_tps=(n_out - 1) / (now - seq.first_token_at) if n_out > 1 else 0.0,
-            paged_kv=self.paged,
+            paged_kv=self.paged_kv,
             prompt_logprobs=seq.prompt_logprobs if first else None,
             seq=seq,
         )
@@ -347,6 +386,37 @@ class LLMEngine:
             per_block = self.store.pools.nbytes // self.blocks.num_blocks
             return KVUsage(rows + self.blocks.num_used * per_block, live, self.store.pools.nbytes)
         return KVUsage(rows, live, self.kv_budget_bytes)
+
+    def kv_bytes(self, lengths: list[int]) -> int:
+        """KV bytes that sequences of these lengths attend to."""
+        return kv_bytes(self.specs, self.bytes_per_token, lengths)
+
+    def padded_kv_bytes(self) -> int:
+        """What a padded batch of the running rows would hold: each reserved
+        at the longest row's full length (prompt plus max_tokens)."""
+        running = self.scheduler.running
+        if not running:
+            return 0
+        return self.kv_bytes([max(seq.max_len for seq in running)]) * len(running)
+
+    def cache_stats(self) -> CacheStats:
+        pc, blocks = self.prompt_cache, self.blocks
+        return CacheStats(
+            kv_budget_bytes=self.kv_budget_bytes,
+            prompt_cache_entries=len(pc) if pc is not None else None,
+            prompt_cache_bytes=pc.nbytes if pc is not None else 0,
+            prompt_cache_hits=pc.hits if pc is not None else 0,
+            prompt_cache_misses=pc.misses if pc is not None else 0,
+            blocks_total=blocks.num_blocks if blocks is not None else None,
+            blocks_used=blocks.num_used if blocks is not None else 0,
+            blocks_free=blocks.num_free if blocks is not None else 0,
+            block_bytes=self.store.pools.nbytes // blocks.num_blocks if blocks is not None else 0,
+            prefix_caching=blocks is not None and blocks.caching,
+            blocks_cached=blocks.num_cached if blocks is not None else 0,
+            blocks_shared=blocks.num_shared if blocks is not None else 0,
+            prefix_queried_tokens=blocks.queried_tokens if blocks is not None else 0,
+            prefix_hit_tokens=blocks.hit_tokens if blocks is not None else 0,
+        )
 
     @property
     def num_preemptions(self) -> int:

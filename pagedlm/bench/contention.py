@@ -52,7 +52,7 @@ def _shorts(args, rng: random.Random, vocab: int) -> list[tuple[list[int], Sampl
 
 def _add(engine, requests) -> list[tuple[object, float, int]]:
     """Add ``requests`` now: (sequence, arrival time, arrival step) each."""
-    t0, s0 = time.perf_counter(), engine.steps
+    t0, s0 = time.perf_counter(), engine.num_steps
     return [(engine.add_request(ids, params)[0], t0, s0) for ids, params in requests]
 
 
@@ -63,7 +63,7 @@ def _step(engine, arrivals, firsts: dict, until_done: bool = True) -> None:
         engine.step()
         for seq, t0, s0 in arrivals:
             if seq.first_token_at is not None and seq.seq_id not in firsts:
-                firsts[seq.seq_id] = (engine.steps - s0, seq.first_token_at - t0)
+                firsts[seq.seq_id] = (engine.num_steps - s0, seq.first_token_at - t0)
         if not until_done:
             return
 
@@ -107,7 +107,7 @@ def run_contention_bench(args, engine_options: opt.EngineOptions) -> int:
     long_steps, long_s = firsts[arrivals[0][0].seq_id]
     row = {
         "bench": "contention", "model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
-        "paged_kv": engine.paged, "random_weights": bool(args.random_weights),
+        "paged_kv": engine.paged_kv, "random_weights": bool(args.random_weights),
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "long_prefill_token_threshold": engine.long_prefill_token_threshold,
         "max_num_partial_prefills": engine_options.max_num_partial_prefills,

@@ -31,12 +31,12 @@ def engine_for(tiny, store: str, **kw) -> LLMEngine:
 
 def first_token_steps(engine: LLMEngine, seqs) -> list[int]:
     """Step until ``seqs`` all have a token; the step count at which each got its first."""
-    start, got = engine.steps, {}
+    start, got = engine.num_steps, {}
     while len(got) < len(seqs):
         engine.step()
         for s in seqs:
             if s.output_ids and s.seq_id not in got:
-                got[s.seq_id] = engine.steps - start
+                got[s.seq_id] = engine.num_steps - start
     return [got[s.seq_id] for s in seqs]
 
 

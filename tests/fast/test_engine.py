@@ -93,7 +93,7 @@ def test_paged_store_is_bit_identical_to_default_store(tiny, block_size):
     opts = dict(max_num_batched_tokens=16, max_num_seqs=4)
     default = run_all(LLMEngine(model, tok, EngineOptions(**opts)), batch, GREEDY, arrive_every=2)
     engine = LLMEngine(model, tok, paged(block_size, **opts))
-    assert engine.paged and engine.blocks.block_size == block_size
+    assert engine.paged_kv and engine.blocks.block_size == block_size
     got = run_all(engine, batch, GREEDY, arrive_every=2)
     assert engine.num_preemptions == 0  # same schedule: the pool is big enough
     for a, b in zip(default, got):

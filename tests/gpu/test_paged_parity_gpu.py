@@ -56,7 +56,7 @@ def test_paged_bf16_batch_equals_default_exactly(loaded):
     assert len(set(expected[0][0])) > 1, "degenerate trajectory proves nothing"
     for block_size in (16, 64, 256):
         llm, got = _run(model, tokenizer, paged_kv=True, block_size=block_size, attention_backend="torch")
-        assert llm.engine.paged and llm.stats.preemptions == 0
+        assert llm.engine.paged_kv and llm.stats.preemptions == 0
         assert got == expected, block_size
 
 

@@ -53,7 +53,7 @@ def test_paged_store_equals_default_store_exactly_at_every_block_size(loaded):
     assert all(len(tokens) == GEN for tokens, _ in expected)
     for block_size in (16, 64, 256):
         llm, got = _run(model, tokenizer, paged_kv=True, block_size=block_size)
-        assert llm.engine.paged
+        assert llm.engine.paged_kv
         assert got == expected, f"{name}: block size {block_size} diverged"  # logprob floats too
 
 
