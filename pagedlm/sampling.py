@@ -1,6 +1,14 @@
 """Per-row sampling for a whole step: ``sample``; what a request rules in and
 out: ``TokenRules``.
 
+A row with a grammar (its sequence's ``matcher``, `pagedlm.structured`)
+first has every token its grammar refuses next set to -inf (one bitmask per
+row, applied on the logits' device), and is then sampled like any other row;
+a step's unconstrained rows are sampled exactly as in a step without
+constrained rows. When nothing is left to sample (the grammar allows no
+token, or none that the request's rules permit), the row's token is None and
+its matcher is dead: the engine ends the row.
+
 Each row brings its own `SamplingParams`. First its request's `TokenRules`
 (vLLM's order, before penalties): ``logit_bias`` is added to the logits (on
 greedy rows too: +100 forces a token, -100 bans it); tokens outside
@@ -173,12 +181,17 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(0, order, sorted_logits)
 
 
-def sample_row(logits: torch.Tensor, seq: "Sequence") -> int:
+def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     """Next token of one row from its float32 logits ``[V]``: its rules, its
-    penalties, then the argmax or its draw."""
+    penalties, then the argmax or its draw; None for a constrained row whose
+    rules leave no token its grammar allows."""
     p = seq.params
     if seq.rules is not None:
         logits = seq.rules.apply(logits, seq.output_ids)
+        matcher = getattr(seq, "matcher", None)
+        if matcher is not None and not bool((logits > float("-inf")).any()):
+            matcher.fail("the request's allowed_token_ids, bad_words or min_tokens leave no token the grammar allows")
+            return None
     logits = apply_penalties(logits, seq)
     if seq.generator is None:
         return int(torch.argmax(logits))
@@ -196,23 +209,43 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int:
     return int(torch.multinomial(probs.to("cpu", torch.float32), 1, generator=seq.generator))
 
 
-def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int]:
-    """Tokens for ``seqs`` from their float32 logits ``[B, V]``. Rows that are
-    greedy, unpenalized and unbiased share one argmax, kept where their rules
-    permit it; the rest go row by row."""
-    shared = [i for i, s in enumerate(seqs)
-              if s.generator is None and not _penalized(s) and (s.rules is None or not s.rules.bias)]
+def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
+    """Tokens for ``seqs`` from their float32 logits ``[B, V]``: the rows
+    without a grammar as `_pick` samples them, the rows with one from their
+    masked logits (None where nothing is left: that row's matcher is dead)."""
     tokens: list[int | None] = [None] * len(seqs)
+    constrained = [i for i, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
+    if not constrained:
+        _pick(logits, seqs, range(len(seqs)), tokens)
+        return tokens
+    from pagedlm.structured import masked_logits  # llguidance is imported only when a request has a grammar
+
+    taken = set(constrained)
+    _pick(logits, seqs, [i for i in range(len(seqs)) if i not in taken], tokens)
+    masked, live = masked_logits(logits[constrained], [seqs[i].matcher for i in constrained])
+    picked: list[int | None] = [None] * len(constrained)
+    _pick(masked, [seqs[i] for i in constrained], [j for j, ok in enumerate(live) if ok], picked)
+    for i, t in zip(constrained, picked):
+        tokens[i] = t
+    return tokens
+
+
+def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range", tokens: list[int | None]) -> None:
+    """Sample ``rows`` (of ``logits`` and ``seqs``) into ``tokens``. Rows that
+    are greedy, unpenalized and unbiased share one argmax, kept where their
+    rules permit it; the rest go row by row."""
+    shared = [i for i in rows
+              if seqs[i].generator is None and not _penalized(seqs[i])
+              and (seqs[i].rules is None or not seqs[i].rules.bias)]
     if shared:
         best = torch.argmax(logits if len(shared) == len(seqs) else logits[shared], dim=-1).tolist()
         for i, t in zip(shared, best):
             rules = seqs[i].rules
             if rules is None or rules.permits(t, seqs[i].output_ids):
                 tokens[i] = t
-    for i, seq in enumerate(seqs):
+    for i in rows:
         if tokens[i] is None:
-            tokens[i] = sample_row(logits[i], seq)
-    return tokens
+            tokens[i] = sample_row(logits[i], seqs[i])
 
 
 def _penalized(seq: "Sequence") -> bool:

@@ -1,0 +1,96 @@
+"""Grammars compiled once per constraint, off the step's thread: `GrammarCompiler`.
+
+One compiler serves one tokenizer at one logits width (the engine holds one),
+so its LRU, keyed by `Constraint.key`, is keyed by constraint and tokenizer.
+`GrammarCompiler.matcher` never blocks: it hands back a `RowMatcher` whose
+`ready()` turns true when the pool has compiled the grammar; a second row
+with the same constraint shares the first one's compile, finished or not,
+and a row never waits for one.
+
+The first compile also builds llguidance's tokenizer (every token's bytes,
+a trie): 0.3 s for SmolLM2's 49k tokens, 3 s for Gemma 3's 262k on one CPU
+core. That call holds the GIL (the rest of a compile drops it), so the step
+loop stalls once for it; `warm_up` pays it at startup instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import llguidance
+
+from .constraint import Constraint, one_line
+from .matcher import RowMatcher
+
+if TYPE_CHECKING:
+    from pagedlm.tokenizer import Tokenizer
+
+# Short errors: llguidance's verbose ones quote the parser's state and the whole grammar.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+def llguidance_tokenizer(tokenizer: "Tokenizer", vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of ``tokenizer`` for logits ``vocab_size`` wide: its
+    vocabulary read from the tokenizer.json it wraps, ids past it (a model's
+    padded embedding) never allowed, and its end-of-sequence ids (the grammar
+    allows them where the output may end)."""
+    # tokenizer.json's text: Tokenizer has no public accessor for it yet (tokenizer.py is not ours).
+    return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=max(vocab_size, tokenizer.vocab_size),
+                                  eos_token=sorted(tokenizer.eos_token_ids))
+
+
+class GrammarCompiler:
+    """Compiles constraints for ``tokenizer`` in a thread pool, each once
+    while it stays among the ``capacity`` most recently used."""
+
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, *, capacity: int = 128) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.width = max(vocab_size, tokenizer.vocab_size)  # tokens per bitmask row
+        self.capacity = capacity
+        self.compiles = 0  # grammars compiled (or being compiled) so far
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-grammar")  # compiles drop the GIL
+        self._lock = threading.Lock()
+        self._tokenizer: Future | None = None
+        self._grammars: OrderedDict[str, Future] = OrderedDict()
+
+    def matcher(self, constraint: Constraint, label: str = "") -> RowMatcher:
+        """A new row's matcher for a validated ``constraint`` (its compile
+        starts now unless one has; ``label`` names the row in the log)."""
+        return RowMatcher(self._grammar(constraint), self.width, label)
+
+    def warm_up(self) -> None:
+        """Build llguidance's tokenizer now (blocks), so that no step stalls for it later."""
+        self._llg_tokenizer().result()
+
+    def _llg_tokenizer(self) -> Future:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(llguidance_tokenizer, self.tokenizer, self.vocab_size)
+            return self._tokenizer
+
+    def _grammar(self, constraint: Constraint) -> Future:
+        key = constraint.key
+        tokenizer = self._llg_tokenizer()
+        with self._lock:
+            future = self._grammars.get(key)
+            if future is not None:
+                self._grammars.move_to_end(key)
+                return future
+            future = self._pool.submit(_compile, tokenizer, constraint.llguidance_grammar())
+            self.compiles += 1
+            self._grammars[key] = future
+            while len(self._grammars) > self.capacity:  # rows holding an evicted one keep it
+                self._grammars.popitem(last=False)
+            return future
+
+
+def _compile(tokenizer: Future, grammar: str) -> llguidance.LLMatcher:
+    """A fresh matcher of ``grammar`` (rows take deep copies); `ValueError` if it fails."""
+    matcher = llguidance.LLMatcher(tokenizer.result(), grammar, log_level=0, limits=_LIMITS)
+    if matcher.is_error():
+        raise ValueError(one_line(matcher.get_error()))
+    return matcher

@@ -1,0 +1,168 @@
+"""One row's place in its grammar (`RowMatcher`) and a step's masks (`masked_logits`).
+
+A matcher's token bitmask is llguidance's: int32 words, bit ``j`` of word
+``i`` allows token ``32 * i + j``, filled on the CPU; `masked_logits` moves a
+step's bitmasks to the logits' device and expands them there with torch ops
+(`mask_bias`). llguidance.torch's own apply runs through ``torch.compile``:
+its first call took 57 s on this project's 2-core CPU, 3 s on an H200 host.
+
+A row whose grammar allows no token, or whose sampled token its grammar
+refuses, is dead: `RowMatcher.is_dead`, with `error` saying why and a
+warning in the log; the engine ends it. It never waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import llguidance
+import torch
+
+from .constraint import one_line
+
+logger = logging.getLogger("pagedlm.structured")
+
+
+class RowMatcher:
+    """One sequence's matcher: a copy of its compiled grammar, advanced
+    token by token. ``width``: the bitmask's tokens (the logits' width, or the
+    tokenizer's vocabulary if that is wider)."""
+
+    def __init__(self, compiled: Future, width: int, label: str = "") -> None:
+        self._compiled = compiled  # resolves to a fresh llguidance.LLMatcher of the grammar
+        self._matcher: llguidance.LLMatcher | None = None
+        self.width = width
+        self.label = label  # names the row in the log (a request id)
+        self.error: str | None = None  # why the row is dead
+
+    def ready(self) -> bool:
+        """Its grammar is compiled (or failed to compile: then it is dead at
+        its first `fill`): the row may be scheduled. Never blocks."""
+        return self._compiled.done()
+
+    def _live(self) -> llguidance.LLMatcher | None:
+        """The matcher, None once dead."""
+        if self._matcher is None and self.error is None:
+            if not self._compiled.done():
+                raise RuntimeError("a row was sampled before its grammar compiled: schedule it once ready()")
+            try:
+                self._matcher = self._compiled.result().deep_copy()
+            except Exception as e:  # the compile's error, raised in the pool
+                self.fail(f"its grammar did not compile: {e}")
+        if self._matcher is not None and self.error is None and self._matcher.is_error():
+            self.fail(one_line(self._matcher.get_error()))
+        return None if self.error is not None else self._matcher
+
+    def fill(self, bitmask_row: torch.Tensor) -> bool:
+        """Write the tokens the grammar allows next into ``bitmask_row`` (CPU
+        int32, ``ceil(width / 32)`` words); False (and dead) when it allows none."""
+        matcher = self._live()
+        if matcher is None:
+            return False
+        words = (self.width + 31) // 32
+        if bitmask_row.dtype != torch.int32 or not bitmask_row.is_cpu or not bitmask_row.is_contiguous() \
+                or bitmask_row.numel() != words:
+            raise ValueError(f"a bitmask row must be a contiguous CPU int32 tensor of {words} words "
+                             f"(got {bitmask_row.dtype}, {bitmask_row.device}, {tuple(bitmask_row.shape)})")
+        matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), words * 4)
+        return self._filled(bitmask_row)
+
+    def _filled(self, bitmask_row: torch.Tensor) -> bool:
+        """After llguidance wrote the row: is anything allowed (else dead)?"""
+        if self._live() is None:  # the mask's computation hit an error (a parser limit)
+            return False
+        if not bool(bitmask_row.any()):
+            self.fail("the grammar allows no token here")
+            return False
+        return True
+
+    def advance(self, token: int) -> None:
+        """The row's sampled ``token`` is part of the output; a token the
+        grammar refuses kills the row."""
+        matcher = self._live()
+        if matcher is None:
+            raise RuntimeError(f"advance on a dead row ({self.error})")
+        if not matcher.consume_token(token):
+            self.fail(f"token {token} is outside the grammar: {one_line(matcher.get_error())}")
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` advanced tokens (a rejected speculation)."""
+        matcher = self._live()
+        if matcher is None or not matcher.rollback(n):
+            raise ValueError(f"cannot roll back {n} tokens ({self.error or one_line(matcher.get_error())})")
+
+    @property
+    def is_finished(self) -> bool:
+        """The output is complete: the grammar takes nothing more (the row ends, "stop")."""
+        return self.error is None and self._matcher is not None and self._matcher.is_stopped() \
+            and not self._matcher.is_error()
+
+    @property
+    def is_dead(self) -> bool:
+        """No token can continue the output: the row must end (`error` says why)."""
+        return self._live() is None if self._compiled.done() else False
+
+    def fail(self, reason: str) -> None:
+        """Kill the row (the sampler: the request's other rules leave nothing the grammar allows)."""
+        if self.error is None:
+            self.error = reason
+            logger.warning("structured output%s dead-ends: %s", f" of {self.label}" if self.label else "", reason)
+
+
+def _bits(octets: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., 8]``: each byte's bits, the lowest first."""
+    return ((octets.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=octets.device)) & 1).bool()
+
+
+_BYTE_BIAS = torch.where(_bits(torch.arange(256, dtype=torch.uint8)), 0.0, float("-inf"))  # [256, 8]
+
+
+def mask_bias(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """float32 ``[rows, width]``: 0 for the tokens int32 bitmask words ``[rows,
+    ceil(width / 32)]`` allow, -inf for the rest, on the bitmask's device (its
+    words little-endian, as on every torch device). On the CPU one gather from
+    a table of the 256 bytes' eight biases (a third of the time of shifting the
+    bits out; as fast as xgrammar's C++ kernel); on a GPU the shifts (a tenth
+    of the gather's time on an H200)."""
+    rows = bitmask.shape[0]
+    octets = bitmask.contiguous().view(torch.uint8)
+    if bitmask.device.type == "cpu":
+        return _BYTE_BIAS.index_select(0, octets.view(-1).long()).view(rows, -1)[:, :width]
+    return torch.where(_bits(octets).view(rows, -1)[:, :width], 0.0, float("-inf"))
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
+    """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
+    the rows computed in parallel by llguidance's thread pool: 0.35 ms for 64
+    rows on the H200 host's 16 cores, 1.3 ms one after another), and per row
+    whether any token is allowed (False: dead, its row all zeros)."""
+    global _executor
+    width = matchers[0].width
+    if any(m.width != width for m in matchers):
+        raise ValueError(f"one step's matchers must share a width (got {sorted({m.width for m in matchers})})")
+    words = (width + 31) // 32
+    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+    rows = [(live, j) for j, m in enumerate(matchers) if (live := m._live()) is not None]
+    if rows:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(matchers))
+    filled = {j for _, j in rows}
+    return bitmask, [j in filled and m._filled(bitmask[j]) for j, m in enumerate(matchers)]
+
+
+def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
+    """``logits`` ``[rows, V]`` (a row per matcher) with the tokens each
+    grammar refuses at -inf (a new tensor: the engine's logprobs read the
+    model's own), and per row whether any token is allowed (False: dead). A
+    NaN (a refused token's +inf logit plus -inf, or the model's) becomes -inf."""
+    vocab = logits.shape[-1]
+    if matchers[0].width < vocab:
+        raise ValueError(f"the bitmasks ({matchers[0].width} tokens) must cover the {vocab} logits")
+    bitmask, live = fill_bitmask(matchers)
+    masked = mask_bias(bitmask.to(logits.device), vocab).add_(logits)
+    return masked.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")), live

@@ -1,0 +1,433 @@
+"""Structured output (pagedlm.structured) through the batched sampler, with
+the two built-in models' real tokenizers and a random "model": every output
+a grammar lets a random walk write must parse and validate.
+
+The walk's logits come from a fixed bank of seeded random rows; the rows
+bias the tokens that close a string, an object or an array (a real model's
+outputs end; a uniform random walk through a string would not soon). The
+tokenizers come from the models' converted folders (`resolve` converts a
+model once per machine, as tests/weights do); no weights are loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from pagedlm.batch.sequence import Sequence
+from pagedlm.loading import resolve
+from pagedlm.params import SamplingParams
+from pagedlm.sampling import sample, token_rules
+from pagedlm.structured import Constraint, GrammarCompiler, mask_bias, masked_logits
+from pagedlm.tokenizer import Tokenizer
+from tests.helpers import tiny_tokenizer
+
+MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+PAD = 37  # logits wider than the vocabulary (a padded embedding): the extra ids are never allowed
+MAX_TOKENS = 400
+
+STR = {"type": "string"}
+INT = {"type": "integer"}
+NUM = {"type": "number"}
+BOOL = {"type": "boolean"}
+# Not "format": "date": llguidance's is a regex that takes a February 29 of any year.
+DATE = {"type": "string", "pattern": "^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])$"}
+
+
+def obj(properties: dict, required=None, **more) -> dict:
+    """An object schema; every property required unless ``required`` says otherwise."""
+    return {"type": "object", "properties": properties,
+            "required": list(properties) if required is None else required, **more}
+
+
+CLOSED = {"additionalProperties": False}
+
+SCHEMAS = [
+    STR, INT, NUM, BOOL, {"type": "null"}, {},
+    {"type": "integer", "minimum": 0, "maximum": 9},
+    {"type": "integer", "minimum": -50, "maximum": -10},
+    {"type": "integer", "exclusiveMinimum": 100, "exclusiveMaximum": 105},
+    {"type": "integer", "minimum": 1000},
+    {"type": "number", "minimum": 0.5, "maximum": 1.5},
+    {"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": 1},
+    {"type": "number", "minimum": 1e3},
+    {"type": "string", "minLength": 3, "maxLength": 8},
+    {"type": "string", "maxLength": 1},
+    {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{3}$"},
+    {"type": "string", "pattern": "^(yes|no)$"},
+    {"type": "string", "format": "time"},
+    {"type": "string", "format": "email"},
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "ipv4"},
+    {"enum": ["red", "green", "blue"]},
+    {"enum": [1, "two", None, True, 3.5]},
+    {"const": {"kind": "fixed", "n": [1, 2]}},
+    {"type": ["string", "null"]},
+    {"anyOf": [INT, {"type": "string", "maxLength": 4}]},
+    {"oneOf": [{"type": "integer", "maximum": -1}, {"type": "string", "maxLength": 3}]},
+    {"type": "array", "items": INT},
+    {"type": "array", "items": STR, "minItems": 2, "maxItems": 4},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 0},
+    {"type": "array", "prefixItems": [INT, STR, BOOL], "items": False},
+    {"type": "array", "items": {"type": "array", "items": {"type": "number", "minimum": 0}, "maxItems": 3}},
+    obj({"name": STR}),
+    obj({"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 150}}, **CLOSED),
+    obj({"a": INT, "b": STR, "c": BOOL}, required=["b"], **CLOSED),
+    obj({"a": INT, "b": STR}, required=[]),
+    obj({"id": {"type": "string", "format": "uuid"}, "tags": {"type": "array", "items": STR, "maxItems": 3}}, **CLOSED),
+    obj({"point": obj({"x": NUM, "y": NUM}, **CLOSED)}, **CLOSED),
+    obj({"a": obj({"b": obj({"c": obj({"d": {"type": "integer", "minimum": 7, "maximum": 7}})})})}),
+    obj({"items": {"type": "array", "items": obj({"sku": STR, "qty": {"type": "integer", "minimum": 1}}, **CLOSED),
+                   "minItems": 1}}, **CLOSED),
+    obj({"status": {"enum": ["ok", "error"]}, "code": {"type": "integer", "minimum": 100, "maximum": 599}}, **CLOSED),
+    obj({"price": {"type": "number", "minimum": 0, "exclusiveMaximum": 1000}, "currency": {"const": "EUR"}}, **CLOSED),
+    obj({"when": DATE, "note": {"type": ["string", "null"]}}, **CLOSED),
+    obj({"x": {}}, **CLOSED),
+    obj({"value": {"anyOf": [INT, STR, {"type": "null"}]}}, **CLOSED),
+    obj({"shape": {"oneOf": [obj({"circle": {"type": "number", "minimum": 0}}, **CLOSED),
+                             obj({"square": {"type": "number", "minimum": 0}}, **CLOSED)]}}),
+    obj({"matrix": {"type": "array", "items": {"type": "array", "items": INT, "minItems": 2, "maxItems": 2},
+                    "minItems": 2, "maxItems": 2}}, **CLOSED),
+    obj({"name": STR}, additionalProperties=INT),
+    obj({"name": {"type": "string", "minLength": 1, "maxLength": 20}, "email": {"type": "string", "format": "email"},
+         "age": {"type": "integer", "minimum": 18, "maximum": 99}, "admin": BOOL},
+        required=["name", "email"], **CLOSED),
+    obj({"flag": BOOL, "count": {"type": "integer", "minimum": 0},
+         "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+         "label": {"type": "string", "pattern": "^[A-Z][a-z]+$"}}, **CLOSED),
+    obj({"tool": {"const": "search"}, "arguments": obj({"query": STR, "limit": {"type": "integer", "minimum": 1,
+                                                                                "maximum": 10}}, **CLOSED)}, **CLOSED),
+    {"type": "object", "minProperties": 1, "maxProperties": 2, "additionalProperties": INT},
+    {"$defs": {"pos": {"type": "integer", "minimum": 1}}, **obj({"a": {"$ref": "#/$defs/pos"},
+                                                                  "b": {"$ref": "#/$defs/pos"}}, **CLOSED)},
+    {"$defs": {"node": {"type": "object", "properties": {"v": INT, "next": {"anyOf": [{"$ref": "#/$defs/node"},
+                                                                                         {"type": "null"}]}},
+                        "required": ["v", "next"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
+    {"allOf": [obj({"a": INT}), obj({"b": STR})]},
+    obj({"events": {"type": "array", "maxItems": 3, "items": obj({
+        "type": {"enum": ["click", "view"]}, "at": DATE,
+        "meta": obj({"k": STR}, required=[], **CLOSED)}, **CLOSED)}}, **CLOSED),
+]
+
+REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8})?", r"-?[1-9][0-9]{0,3}",
+           r"[a-f0-9]{8}", r"(ab)+c", r"(true|false)", r"[a-z]{2,6}@[a-z]{2,6}\.(com|org)"]
+CHOICES = [["yes", "no"], ["positive", "negative", "neutral"], ["a", "ab", "abc"], ["日本", "中文", "한국어"],
+           ["Paris", "Paris, France"], ["with space", "with\nnewline", 'with "quote"']]
+LARK_EXPR = """
+start: term (("+" | "-") term)*
+term: NUMBER | "(" NUMBER (("*" | "/") NUMBER)* ")"
+NUMBER: /[0-9]{1,3}/
+"""
+GBNF_LIST = 'root ::= "[" item ("," item)* "]"\nitem ::= [a-z]{1,4}'
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Row-sized ops on one thread: on a loaded two-core machine, splitting a
+    49k-float op across two threads costs milliseconds of waiting for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def setup(request):
+    """(tokenizer, compiler) of a model, logits ``PAD`` wider than its vocabulary."""
+    tokenizer = Tokenizer.from_folder(resolve(request.param))
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size + PAD)
+    compiler.warm_up()
+    return tokenizer, compiler
+
+
+def row(tokenizer, compiler, constraint: Constraint | None, sampled: bool, seed: int = 0, **params) -> Sequence:
+    """A sequence as the engine makes one (its request's rules; a matcher when constrained)."""
+    params.setdefault("temperature", 1.0 if sampled else 0.0)
+    p = SamplingParams(max_tokens=MAX_TOKENS, seed=seed, **params).validate()
+    seq = Sequence([1], p, tokenizer.eos_token_ids, tokenizer.detokenizer(), None,
+                   token_rules(p, tokenizer, compiler.vocab_size))
+    if constraint is not None:
+        seq.matcher = compiler.matcher(constraint.validate(), label=f"row {seed}")
+    return seq
+
+
+def closers(tokenizer, vocab: int, sampled: bool) -> dict[int, float]:
+    """A bias for the tokens that end a string, an object, an array or the
+    output (and "@", which an email needs): a sampled row draws one about
+    twice as often as all other tokens together; a greedy row picks one when
+    its own logit is above about 0 (the best of the others is about 4)."""
+    ids = {tokenizer.encode(t, add_special_tokens=False)[0] for t in ['"', "}", "]", '"}', '"]', "}}", "@"]}
+    return {i: math.log(vocab) + 1 if sampled else 4.0 for i in ids | set(tokenizer.eos_token_ids)}
+
+
+@functools.lru_cache(maxsize=2)
+def bank(vocab: int) -> torch.Tensor:
+    """The random model's logits: 31 seeded rows (read only)."""
+    return torch.randn(31, vocab, generator=torch.Generator().manual_seed(0))
+
+
+def walk(seqs: list[Sequence], logits_bank: torch.Tensor) -> None:
+    """Sample every row until its matcher finishes (or dies, or MAX_TOKENS),
+    as the engine will: advance the matcher with each token. Row ``r`` at a
+    step reads a bank row drawn for it (not a cycle: a greedy walk would loop)."""
+    for seq in seqs:
+        wait_ready(seq)
+    picks = torch.randint(len(logits_bank), (len(seqs), MAX_TOKENS), generator=torch.Generator().manual_seed(1))
+    active = list(range(len(seqs)))
+    for step in range(MAX_TOKENS):
+        if not active:
+            return
+        tokens = sample(logits_bank[picks[active, step]], [seqs[r] for r in active])
+        still = []
+        for r, token in zip(active, tokens):
+            if token is None:
+                continue
+            seqs[r].output_ids.append(token)
+            seqs[r].matcher.advance(token)
+            if not (seqs[r].matcher.is_finished or seqs[r].matcher.is_dead):
+                still.append(r)
+        active = still
+
+
+def text_of(tokenizer, seq: Sequence) -> str:
+    assert seq.matcher.is_finished, (seq.matcher.error, tokenizer.decode(seq.output_ids))
+    return tokenizer.decode(seq.output_ids)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_json_outputs_validate_against_their_schemas(setup, sampled):
+    tokenizer, compiler = setup
+    vocab = compiler.vocab_size
+    bias = closers(tokenizer, vocab, sampled)
+    seqs = [row(tokenizer, compiler, Constraint(json=s), sampled, seed=i, logit_bias=bias)
+            for i, s in enumerate(SCHEMAS)]
+    seqs.append(row(tokenizer, compiler, Constraint(json_object=True), sampled, seed=len(SCHEMAS), logit_bias=bias))
+    walk(seqs, bank(vocab))
+    for schema, seq in zip(SCHEMAS + [{"type": "object"}], seqs):
+        value = json.loads(text_of(tokenizer, seq))
+        jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        assert all(t < tokenizer.vocab_size for t in seq.output_ids)  # the padded ids never come out
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_regex_choice_and_grammar_outputs_match(setup, sampled):
+    tokenizer, compiler = setup
+    bias = closers(tokenizer, compiler.vocab_size, sampled) if sampled else None  # greedy: the shared argmax
+    constraints = ([Constraint(regex=r) for r in REGEXES] + [Constraint(choice=c) for c in CHOICES]
+                   + [Constraint(grammar=LARK_EXPR), Constraint(grammar=GBNF_LIST)])
+    seqs = [row(tokenizer, compiler, c, sampled, seed=i, logit_bias=bias) for i, c in enumerate(constraints)]
+    walk(seqs, bank(compiler.vocab_size))
+    texts = [text_of(tokenizer, s) for s in seqs]
+    for pattern, text in zip(REGEXES, texts):
+        assert re.fullmatch(pattern, text), (pattern, text)
+    for choices, text in zip(CHOICES, texts[len(REGEXES):]):
+        assert text in choices
+    expr, listing = texts[-2:]
+    term = r"([0-9]{1,3}|\([0-9]{1,3}([*/][0-9]{1,3})*\))"
+    assert re.fullmatch(f"{term}([+-]{term})*", expr), expr
+    assert re.fullmatch(r"\[[a-z]{1,4}(,[a-z]{1,4})*\]", listing), listing
+
+
+def test_unconstrained_rows_are_unchanged_beside_constrained_ones(setup):
+    """Same tokens, step after step, with and without constrained rows in the
+    batch: greedy, sampled, penalized, biased and rule-bound rows."""
+    tokenizer, compiler = setup
+    vocab = compiler.vocab_size
+    plain = [dict(), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=50),
+             dict(repetition_penalty=1.3, presence_penalty=0.5), dict(logit_bias={5: 3.0}),
+             dict(allowed_token_ids=list(range(100, 200)))]
+
+    def rows(with_constrained: bool) -> list[Sequence]:
+        out = []
+        for i, kw in enumerate(plain):
+            out.append(row(tokenizer, compiler, None, kw.get("temperature", 0.0) > 0, seed=i, **kw))
+            if with_constrained:
+                out.append(row(tokenizer, compiler, Constraint(json=SCHEMAS[30]), i % 2 == 1, seed=i))
+        return out
+
+    alone, mixed = rows(False), rows(True)
+    for seq in mixed[1::2]:
+        wait_ready(seq)
+    logits_bank = bank(vocab)
+    for step in range(8):
+        logits = logits_bank[[(r + step) % 31 for r in range(len(mixed))]]
+        before = logits.clone()
+        got = sample(logits, mixed)
+        assert torch.equal(logits, before)  # masks apply to a copy: logprobs read the model's logits
+        want = sample(logits[0::2].contiguous(), alone)
+        assert got[0::2] == want
+        for seq, token in zip(mixed + alone, got + want):
+            matcher = getattr(seq, "matcher", None)
+            if matcher is None or not (matcher.is_finished or matcher.is_dead):
+                seq.output_ids.append(token)
+                if matcher is not None:
+                    matcher.advance(token)
+
+
+def test_every_kind_compiles_and_bad_input_is_a_value_error():
+    for constraint in [Constraint(json=SCHEMAS[30]), Constraint(json=json.dumps(SCHEMAS[30])),
+                       Constraint(json_object=True), Constraint(regex=REGEXES[0]), Constraint(choice=["a", "b"]),
+                       Constraint(grammar=LARK_EXPR), Constraint(grammar=GBNF_LIST)]:
+        assert constraint.validate().llguidance_grammar()
+    bad = [
+        (dict(json={"type": "objectx"}), r"^json is not a JSON schema pagedlm can follow: Invalid type: objectx$"),
+        (dict(json='{"type": '), r"^json must be a JSON schema: its text is not JSON"),
+        (dict(json=[1]), r"^json must be a JSON schema object"),
+        (dict(json={"enum": [{1, 2}]}), r"^json must be a JSON schema: Object of type set is not JSON serializable$"),
+        (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "minimum \\(5\\) is greater than maximum"),
+        (dict(json={"type": "string", "pattern": "(?=a)"}), r"follow: regex /\(\?=a\)/: look-around.*not supported$"),
+        (dict(json={"not": STR}), r"Unimplemented keys: \[\"not\"\]"),
+        (dict(regex="a{3"), r"^regex 'a\{3' does not compile: unclosed counted repetition$"),
+        (dict(regex="(ab"), r"^regex '\(ab' does not compile: unclosed group$"),
+        (dict(regex=3), r"^regex must be a string"),
+        (dict(grammar="start: foo"), r'^grammar does not compile: at 1\(8\): unknown name: "foo"$'),
+        (dict(grammar="root ::= ( "), r"^grammar does not compile: Failed to convert the grammar from GBNF"),
+        (dict(grammar="  "), r"^grammar must not be empty$"),
+        (dict(choice=[]), r"^choice must hold at least one string \(got \[\]\)$"),
+        (dict(choice=["a", 1]), r"^choice must be a list of strings"),
+        (dict(choice="ab"), r"^choice must be a list of strings"),
+        (dict(json=STR, regex="a"), r"^a constraint must set exactly one of .* \(got json, regex\)$"),
+        (dict(), r"\(got none\)$"),
+        (dict(json_object="yes"), r"^json_object must be true or false"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message) as e:
+            Constraint(**kwargs).validate()
+        assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A compiler of the tests' 263-token byte-level tokenizer (built in milliseconds)."""
+    compiler = GrammarCompiler(tiny_tokenizer(), 300, capacity=2)
+    compiler.warm_up()
+    return compiler
+
+
+def test_equal_constraints_compile_once_and_a_row_never_waits(tiny):
+    schema = {"type": "object", "properties": {"b": INT, "a": STR}, "required": ["a"]}
+    respelled = json.dumps({"required": ["a"], "properties": {"a": STR, "b": INT}, "type": "object"})
+    assert Constraint(json=schema).validate().key == Constraint(json=respelled).validate().key
+    gate = threading.Event()
+    tiny._pool.submit(gate.wait)  # the one worker is busy: every compile below queues behind it
+    try:
+        before = tiny.compiles
+        start = time.perf_counter()
+        first = tiny.matcher(Constraint(json=schema).validate())
+        second = tiny.matcher(Constraint(json=respelled).validate())
+        assert time.perf_counter() - start < 1.0  # handed back at once, compiled later
+        assert not (first.ready() or second.ready())
+        assert tiny.compiles == before + 1  # the respelled schema joins the first one's compile
+    finally:
+        gate.set()
+    for m in (first, second):
+        wait_ready_matcher(m)
+    tiny.matcher(Constraint(json=respelled).validate())
+    assert tiny.compiles == before + 1  # cached
+
+
+def test_lru_evicts_the_least_recently_used(tiny):
+    a, b, c = (Constraint(regex=r).validate() for r in ("a+", "b+", "c+"))
+    before = tiny.compiles
+    for constraint in (a, b, a, c):  # capacity 2: c evicts b, the least recently used
+        tiny.matcher(constraint)
+    assert tiny.compiles == before + 3
+    tiny.matcher(a)
+    assert tiny.compiles == before + 3
+    tiny.matcher(b)
+    assert tiny.compiles == before + 4
+
+
+def test_dead_ends_are_reported_not_hung(setup, caplog):
+    tokenizer, compiler = setup
+    vocab = compiler.vocab_size
+    logits = bank(vocab)[:1]
+    caplog.set_level(logging.WARNING, logger="pagedlm.structured")
+    # A token outside the grammar (a speculative proposal, a bug) kills the row.
+    seq = row(tokenizer, compiler, Constraint(choice=["yes"]), False, seed=1)
+    wait_ready(seq)
+    seq.matcher.advance(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert seq.matcher.is_dead and "outside the grammar" in seq.matcher.error
+    # The request's own rules leave nothing the grammar allows: no token, dead.
+    seq = row(tokenizer, compiler, Constraint(choice=["yes"]), False, seed=2,
+              allowed_token_ids=tokenizer.encode("no", add_special_tokens=False))
+    wait_ready(seq)
+    assert sample(logits, [seq]) == [None] and seq.matcher.is_dead
+    assert "allowed_token_ids" in seq.matcher.error
+    # A grammar that compiles without a tokenizer but not with this one dies at its first mask.
+    seq = row(tokenizer, compiler, Constraint(grammar='start: <|no_such_token|> "a"'), True, seed=3)
+    wait_ready(seq)
+    assert sample(logits, [seq]) == [None] and seq.matcher.is_dead
+    assert "did not compile" in seq.matcher.error and "no_such_token" in seq.matcher.error
+    assert len([r for r in caplog.records if "dead-ends" in r.getMessage()]) == 3
+
+
+def test_rollback_returns_to_an_earlier_state(setup):
+    tokenizer, compiler = setup
+    seq = row(tokenizer, compiler, Constraint(choice=["hello world", "hello there"]), False)
+    wait_ready(seq)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    for t in ids:
+        seq.matcher.advance(t)
+    assert seq.matcher.is_finished
+    seq.matcher.rollback(len(ids) - 1)
+    assert not seq.matcher.is_finished
+    for t in tokenizer.encode("hello there", add_special_tokens=False)[1:]:
+        seq.matcher.advance(t)
+    assert seq.matcher.is_finished and not seq.matcher.is_dead
+    with pytest.raises(ValueError, match="cannot roll back"):
+        seq.matcher.rollback(100)
+
+
+def test_a_row_sampled_before_its_grammar_compiled_is_an_error(tiny):
+    gate = threading.Event()
+    tiny._pool.submit(gate.wait)
+    try:
+        seq = row(tiny.tokenizer, tiny, Constraint(regex="q{2,3}z"), False)
+        with pytest.raises(RuntimeError, match="before its grammar compiled"):
+            sample(torch.zeros(1, tiny.vocab_size), [seq])
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_masks_expand_the_same_on_every_device(setup, device):
+    """mask_bias against the bitmask read bit by bit; masked_logits on
+    ``device`` keeps exactly those logits and sets the rest to -inf."""
+    tokenizer, compiler = setup
+    vocab = compiler.vocab_size
+    seqs = [row(tokenizer, compiler, Constraint(json=s), False, seed=i) for i, s in enumerate(SCHEMAS[28:32])]
+    for s in seqs:
+        wait_ready(s)
+    bitmask = torch.zeros((len(seqs), (compiler.width + 31) // 32), dtype=torch.int32)
+    for j, s in enumerate(seqs):
+        assert s.matcher.fill(bitmask[j])
+    words = bitmask.tolist()
+    want = torch.tensor([[(words[j][t // 32] >> (t % 32)) & 1 for t in range(vocab)] for j in range(len(seqs))],
+                        dtype=torch.bool)
+    assert 0 < int(want.sum()) < want.numel()
+    assert torch.equal(mask_bias(bitmask.to(device), vocab).cpu(), torch.where(want, 0.0, float("-inf")))
+    logits = bank(vocab)[: len(seqs)].to(device)
+    masked, live = masked_logits(logits, [s.matcher for s in seqs])
+    assert live == [True] * len(seqs) and masked.device == logits.device
+    assert torch.equal(masked.cpu(), torch.where(want, logits.cpu(), float("-inf")))
+
+
+def wait_ready(seq: Sequence) -> None:
+    wait_ready_matcher(seq.matcher)
+
+
+def wait_ready_matcher(matcher) -> None:
+    deadline = time.monotonic() + 30
+    while not matcher.ready() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert matcher.ready()
