@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import triton
 
-from pagedlm.bench.decode import copy_bandwidth, load_random
+from pagedlm.bench.common import load_random
+from pagedlm.bench.decode import copy_bandwidth
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels import paged_attention as pa

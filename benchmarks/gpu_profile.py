@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pagedlm.batch import engine as engine_mod
-from pagedlm.bench.decode import load_random
+from pagedlm.bench.common import load_random
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.options import EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams

@@ -16,13 +16,13 @@ try:
 except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "unknown (not installed)"
 
-from .batch.engine import LLMEngine
-from .generate import GenerationResponse, generate, stream_generate
+from .batch.engine import GenerationResponse, LLMEngine
+from .generate import generate, stream_generate
 from .llm import LLM, CompletionOutput, Logprob, RequestOutput
 from .loading import load
 from .options import EngineOptions, PagedKvOptions
-from .params import GenerateOptions, SamplingParams
+from .params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "LLMEngine",
-           "EngineOptions", "load", "generate", "stream_generate", "GenerateOptions", "PagedKvOptions",
+           "EngineOptions", "load", "generate", "stream_generate", "PagedKvOptions",
            "GenerationResponse", "__version__"]

@@ -240,7 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
     pp = bsub.add_parser("ppl", help="perplexity on real text (the Python language reference), "
                          "none against --quantization and/or --kv-quant")
     _add_model_args(pp)
-    pp.set_defaults(quantization_help="comma list allowed: int8,int4")
     pp.add_argument("--kv-quant", default=None, metavar="{int8,fp8}[,...]",
                     help="also score through paged pools of these KV formats, against unquantized pools "
                          "(comma list allowed: int8,fp8)")
@@ -253,12 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling_options(args) -> SamplingParams:
-    options = SamplingParams(
+    return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=opt.check_seed(args.seed, "--seed"),
-    )
-    options = options.validate()
-    return options
+    ).validate()
 
 
 def _load(args):

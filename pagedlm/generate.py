@@ -1,8 +1,11 @@
 """One request at a time, through the engine: ``stream_generate`` and ``generate``.
 
-A thin wrapper: a request here is a batch of one in an `LLMEngine` (by
-default a default-store engine kept per model; pass ``engine`` for another,
-for example a paged one). Many requests at once: `pagedlm.LLM` or the engine.
+A thin wrapper: a request here is a batch of one in an `LLMEngine`, by
+default a default-store engine of its own (one costs microseconds to make
+and holds nothing between requests; one per call lets two requests on one
+model run side by side, each stepping only itself). Pass ``engine`` for
+another, for example a paged one or one with a prompt cache. Many requests
+at once: `pagedlm.LLM` or the engine.
 """
 
 from __future__ import annotations
@@ -18,15 +21,6 @@ from .params import SamplingParams
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
-def engine_for(model: torch.nn.Module, tokenizer: "Tokenizer") -> LLMEngine:
-    """The default-store engine kept on ``model`` (made on first use; it goes
-    with the model: a weak-keyed table would never drop it, the engine
-    referring to its model)."""
-    engine = model.__dict__.get("_pagedlm_engine")
-    if engine is None or engine.tokenizer is not tokenizer:
-        engine = model.__dict__["_pagedlm_engine"] = LLMEngine(model, tokenizer)
-    return engine
-
 
 def stream_generate(
     model: torch.nn.Module,
@@ -40,7 +34,7 @@ def stream_generate(
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise OptionError("the prompt is empty")
-    engine = engine or engine_for(model, tokenizer)
+    engine = engine or LLMEngine(model, tokenizer)
     yield from engine.stream(ids, options)
 
 
@@ -56,4 +50,4 @@ def generate(
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, options, engine=engine))
 
 
-__all__ = ["GenerationResponse", "stream_generate", "generate", "engine_for"]
+__all__ = ["stream_generate", "generate"]

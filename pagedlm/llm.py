@@ -17,7 +17,6 @@ import torch
 from . import options as opt
 from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
-from .cache.store import kv_bytes
 from .options import EngineOptions, OptionError
 from .params import SamplingParams, check_token_ids
 
@@ -265,7 +264,7 @@ class LLM:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise TypeError(f"prompt {i}: token ids must be ints (got {t!r}, a {type(t).__name__})")
-        check_token_ids(ids, self.model.args.vocab_size, f"prompt {i}")  # an OptionError is a ValueError
+        check_token_ids(ids, self.engine.vocab_size, f"prompt {i}")  # an OptionError is a ValueError
         return list(ids)
 
     def _params(self, given: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -297,13 +296,12 @@ class LLM:
             while engine.has_unfinished():
                 outs = engine.step()
                 usage = engine.kv_usage()
-                running = engine.scheduler.running
                 stats.steps += 1
                 stats.kv_bytes_allocated += usage.allocated
                 stats.kv_bytes_live += usage.live
-                stats.kv_bytes_padded += self._padded_bytes(running)
+                stats.kv_bytes_padded += engine.padded_kv_bytes()
                 stats.peak_kv_bytes_allocated = max(stats.peak_kv_bytes_allocated, usage.allocated)
-                stats.peak_running = max(stats.peak_running, len(running))
+                stats.peak_running = max(stats.peak_running, engine.num_running())
                 now = time.perf_counter()
                 show = not bar.disable and (now - shown >= bar.mininterval or not engine.has_unfinished())
                 if show:  # each step may move the counts, none may finish a sequence: show them anyway
@@ -316,13 +314,6 @@ class LLM:
                 setattr(stats, name, getattr(stats, name) / stats.steps)
         stats.preemptions = engine.num_preemptions - preempted
         self.stats = stats
-
-    def _padded_bytes(self, running: list[Sequence]) -> int:
-        """A padded batch of these rows: each reserved at the longest row's full length."""
-        if not running:
-            return 0
-        longest = max(seq.max_len for seq in running)
-        return kv_bytes(self.engine.specs, self.engine.bytes_per_token, [longest]) * len(running)
 
     # -- outputs ------------------------------------------------------------
 

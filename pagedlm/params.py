@@ -151,7 +151,3 @@ def _clamped_bias(bias: object) -> dict[int, float] | None:
             raise OptionError(f"logit_bias must have finite numbers as values (got {value!r} for {token})")
         out[token] = float(min(100.0, max(-100.0, value)))
     return out
-
-
-# The first API's name for the same thing (`pagedlm.generate(..., GenerateOptions(...))`).
-GenerateOptions = SamplingParams

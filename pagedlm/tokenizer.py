@@ -135,6 +135,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine builds its vocabulary from)."""
+        return self._tk.to_str()
+
     @cached_property
     def max_token_chars(self) -> int:
         """The most characters one token can cover: a text longer than

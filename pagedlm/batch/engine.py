@@ -15,23 +15,24 @@ through here.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from pagedlm.attention import keep_sdpa_deterministic
+from pagedlm.attention import select_backend
+from pagedlm.attention.sdpa import keep_sdpa_deterministic
+from pagedlm.cache.admission import BlockAdmission, ByteAdmission
+from pagedlm.cache.blocks import BlockManager
+from pagedlm.cache.layout import kv_bytes, plan_layout
 from pagedlm.cache.paged import PagedPools
 from pagedlm.cache.prompt import PromptCache
-from pagedlm.cache.store import KVStore, kv_bytes, token_bytes
-from pagedlm.kernels import paged_attention
+from pagedlm.cache.store import KVStore
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, check_refusals
 from pagedlm.params import SamplingParams
 from pagedlm.sampling import logprobs_of, ranks_of, sample, token_rules
 
-from .block_manager import BlockManager
 from .graphs import DecodeGraphs
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
@@ -112,9 +113,7 @@ class LLMEngine:
                         "paged_kv": options.paged_kv is not None})
         if kind == "cuda":
             keep_sdpa_deterministic()
-        self.kernels = options.paged_kv is not None and (
-            options.attention_backend == "triton"
-            or (options.attention_backend == "auto" and kind == "cuda" and paged_attention.available(self.device)))
+        backend = select_backend(options.attention_backend, self.device, paged=options.paged_kv is not None)
         defaults = DEVICE_DEFAULTS.get(kind, DEVICE_DEFAULTS["cpu"])
         self.max_num_seqs = options.max_num_seqs or defaults["max_num_seqs"]
         self.max_num_batched_tokens = options.max_num_batched_tokens or defaults["max_num_batched_tokens"]
@@ -126,90 +125,31 @@ class LLMEngine:
         if self.max_model_len > context:
             raise OptionError(f"--max-model-len {self.max_model_len} exceeds the model's context "
                               f"length ({context} tokens)")
-        self.specs = model.kv_spec()
-        self.bytes_per_token = token_bytes(self.specs, self.dtype, options.kv_quant, sliding_pooled=self.kernels)
-        self.kv_budget_bytes = self._budget(options, defaults)
-        self.blocks: BlockManager | None = None
-        pools = None
-        if options.paged_kv is not None:
-            bs = options.paged_kv.block_size
-            paged = [i for i, s in enumerate(self.specs) if s.window is None or self.kernels]
-            spec = self.specs[paged[0]] if paged else self.specs[0]
-            caching = options.paged_kv.prefix_caching and paged
-            if caching and not self.kernels:  # the pools keep the sliding layers' keys too: a cached prefix needs them
-                paged = self._pooled_for_caching(spec)
-            per_block = PagedPools.bytes_per_block(len(paged), bs, spec.num_kv_heads, spec.head_dim, self.dtype,
-                                                   options.kv_quant)
-            num_blocks = self.kv_budget_bytes // per_block if paged else 0
-            need = -(-self.max_model_len // bs)
-            if paged and num_blocks < need:
-                raise OptionError(
-                    f"the KV budget ({self.kv_budget_bytes} bytes) holds {num_blocks} blocks of {bs} tokens, "
-                    f"fewer than one sequence of max_model_len {self.max_model_len} needs ({need}); "
-                    f"raise --kv-budget-bytes or lower --max-model-len")
-            if paged:
-                pools = PagedPools(paged, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype,
-                                   self.device, options.kv_quant, fused=self.kernels)
-                self.blocks = BlockManager(num_blocks, bs, self._salt(options.kv_quant) if caching else None)
-        self.store = KVStore(self.specs, pools)
+        identity = repr((type(model).__qualname__, getattr(model, "args", None)))
+        self.layout = layout = plan_layout(model.kv_spec(), options, self.device, self.dtype,
+                                           in_place=backend.in_place, identity=identity,
+                                           max_model_len=self.max_model_len)
+        # The cache package's objects, from the layout: pools and blocks, or a prompt cache.
+        pools, self.blocks, self.prompt_cache = None, None, None
+        if layout.block_size is not None:
+            spec = layout.specs[layout.pooled_layers[0]]
+            pools = PagedPools(layout.pooled_layers, layout.num_blocks, layout.block_size, spec.num_kv_heads,
+                               spec.head_dim, self.dtype, self.device, layout.kv_quant, fused=layout.in_place)
+            self.blocks = BlockManager(layout.num_blocks, layout.block_size, layout.prefix_salt)
+        elif options.prompt_cache_bytes > 0:
+            self.prompt_cache = PromptCache(options.prompt_cache_bytes)
+        self.store = KVStore(layout, pools, backend)
+        self.admission = (BlockAdmission(self.blocks, self.store) if self.blocks is not None
+                          else ByteAdmission(layout, self.store, self.prompt_cache, self.max_num_batched_tokens))
         self.graphs = None
-        if self.kernels and kind == "cuda" and not options.enforce_eager:
+        if backend.in_place and kind == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs,
-                                       -(-self.max_model_len // options.paged_kv.block_size),
-                                       options.paged_kv.block_size, self.device)
-        self.prompt_cache = (PromptCache(options.prompt_cache_bytes)
-                             if pools is None and options.prompt_cache_bytes > 0 else None)
-        self.scheduler = Scheduler(self.store, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.kv_budget_bytes, self.bytes_per_token, self.blocks, self.prompt_cache,
+                                       -(-self.max_model_len // layout.block_size), layout.block_size, self.device)
+        self.scheduler = Scheduler(self.admission, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.long_prefill_token_threshold, options.max_num_partial_prefills)
         self.paged_kv = pools is not None
-        self.attention_backend = "triton" if self.kernels else "torch"
+        self.attention_backend = backend.name
         self._steps = 0
-
-    def _pooled_for_caching(self, spec) -> list[int]:
-        """Every layer, when the sliding ones store keys shaped like the full ones."""
-        for s in self.specs:
-            if (s.num_kv_heads, s.head_dim) != (spec.num_kv_heads, spec.head_dim):
-                raise OptionError("prefix caching keeps every layer's keys in one pool, and this model's "
-                                  "layers differ in KV heads or head size; use --no-prefix-caching")
-        return list(range(len(self.specs)))
-
-    def _salt(self, kv_quant: str) -> bytes:
-        """What the keys of a block depend on besides its tokens: the model, the
-        KV dtype and its 8-bit format."""
-        identity = repr((type(self.model).__qualname__, getattr(self.model, "args", None), str(self.dtype),
-                         kv_quant))
-        return hashlib.blake2b(identity.encode(), digest_size=16).digest()
-
-    def _budget(self, options: EngineOptions, defaults: dict) -> int:
-        if options.kv_budget_bytes is not None:
-            return options.kv_budget_bytes
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            if options.gpu_memory_utilization is not None:
-                return self._utilization_budget(options.gpu_memory_utilization, free, total)
-            fraction = options.gpu_memory_fraction or defaults["gpu_memory_fraction"]
-            return int(free * fraction)
-        return defaults["kv_budget_bytes"]
-
-    def _utilization_budget(self, utilization: float, free: int, total: int) -> int:
-        """vLLM's meaning: this process may hold ``utilization`` of the GPU's
-        total memory; the KV cache gets that less what the process holds now
-        (the weights). Other processes' memory is not this process's share,
-        but it must leave room for the budget."""
-        gib, used = 1024**3, torch.cuda.memory_allocated(self.device)
-        budget = int(total * utilization) - used
-        available = free + torch.cuda.memory_reserved(self.device) - used  # torch's cached blocks are ours
-        name = f"--gpu-memory-utilization {utilization}"
-        if budget <= 0:
-            raise OptionError(f"{name} allows {total * utilization / gib:.2f} GiB of the GPU's {total / gib:.2f} "
-                              f"GiB, and this process already holds {used / gib:.2f} GiB (weights included): "
-                              f"nothing is left for the KV cache; raise it")
-        if budget > available:
-            raise OptionError(f"{name} leaves {budget / gib:.2f} GiB for the KV cache, but only "
-                              f"{available / gib:.2f} GiB of the GPU are free (other processes hold the rest); "
-                              f"lower it")
-        return budget
 
     # -- requests -----------------------------------------------------------
 
@@ -247,7 +187,7 @@ class LLMEngine:
         if num_prompt + max_tokens > self.max_model_len:
             raise OptionError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
                               f"exceeds max_model_len ({self.max_model_len})")
-        self.scheduler.check_fits(num_prompt, max_tokens)
+        self.admission.check_fits(num_prompt, max_tokens)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -290,8 +230,7 @@ class LLMEngine:
         self._steps += 1
         for seq, n in rows:
             seq.num_computed += n
-            if self.blocks is not None:
-                self.blocks.commit(seq, seq.num_computed)
+            self.admission.commit(seq)
         outputs = []
         for i, seq in enumerate(sampled):
             logprob = None
@@ -380,16 +319,16 @@ class LLMEngine:
 
     def kv_usage(self) -> KVUsage:
         running = self.scheduler.running
-        live = kv_bytes(self.specs, self.bytes_per_token, [seq.num_computed for seq in running])
+        live = self.kv_bytes([seq.num_computed for seq in running])
         rows = sum(self.store.row_bytes(seq.seq_id) for seq in running)
         if self.blocks is not None:
             per_block = self.store.pools.nbytes // self.blocks.num_blocks
             return KVUsage(rows + self.blocks.num_used * per_block, live, self.store.pools.nbytes)
-        return KVUsage(rows, live, self.kv_budget_bytes)
+        return KVUsage(rows, live, self.layout.budget_bytes)
 
     def kv_bytes(self, lengths: list[int]) -> int:
         """KV bytes that sequences of these lengths attend to."""
-        return kv_bytes(self.specs, self.bytes_per_token, lengths)
+        return kv_bytes(self.layout.specs, self.layout.bytes_per_token, lengths)
 
     def padded_kv_bytes(self) -> int:
         """What a padded batch of the running rows would hold: each reserved
@@ -402,7 +341,7 @@ class LLMEngine:
     def cache_stats(self) -> CacheStats:
         pc, blocks = self.prompt_cache, self.blocks
         return CacheStats(
-            kv_budget_bytes=self.kv_budget_bytes,
+            kv_budget_bytes=self.layout.budget_bytes,
             prompt_cache_entries=len(pc) if pc is not None else None,
             prompt_cache_bytes=pc.nbytes if pc is not None else 0,
             prompt_cache_hits=pc.hits if pc is not None else 0,

@@ -15,9 +15,11 @@ rows of the buffers and replays the smallest graph of at least ``n`` rows.
 The rows past ``n`` are padding: slot -1 (``write_kv`` skips it), length 1
 over block 0 (finite: the pools start zeroed), logits thrown away.
 
-Only steps whose rows all decode (one query each, every row sampling) run
-here; prompt chunks run eagerly. Only the kernel path can be captured: the
-torch path builds masks and gathers from host-known lengths.
+Which steps a graph may replay is the attention backend's to say
+(``store.backend.can_capture``: with the kernels, steps whose rows all
+decode; the torch backend builds masks and gathers from host-known lengths
+and offers none); on top of that every row must sample and the batch fit
+the largest graph. Other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class DecodeGraphs:
 
     def can_run(self, step: StepBatch) -> bool:
         n = len(step.seq_ids)
-        return step.num_tokens == n and len(step.sampling_rows) == n and n <= self.sizes[-1]
+        return self.store.backend.can_capture(step) and len(step.sampling_rows) == n and n <= self.sizes[-1]
 
     def run(self, step: StepBatch) -> torch.Tensor:
         """Logits ``[n, vocab]`` of a decode step of ``n`` rows (``can_run``)."""

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedlm.attention import select_backend
+from pagedlm.cache.layout import KVLayout, token_bytes
 from pagedlm.cache.paged import PagedPools
+from pagedlm.cache.spec import KVSpec
 from pagedlm.cache.step import StepBatch
 from pagedlm.cache.store import KVStore
 from pagedlm.options import DEFAULT_BLOCK_SIZE, OptionError
@@ -35,7 +38,8 @@ class Solo:
                                param.dtype, self.device, kv_quant)
             self.table = torch.arange(n_blocks, device=self.device)[None]
             self.capacity = n_blocks * block_size
-        self.store = KVStore(specs, pools)
+        layout = _layout(specs, param.dtype, pools)
+        self.store = KVStore(layout, pools, select_backend("torch", self.device, paged=pools is not None))
         self.store.add_row(SOLO)
         self.offset = 0
 
@@ -61,3 +65,18 @@ class Solo:
         hidden = self.model(ids, step.positions, self.store, step)
         self.offset += n
         return self.model.compute_logits(hidden) if logits else hidden
+
+
+def _layout(specs: list[KVSpec], dtype: torch.dtype, pools: PagedPools | None) -> KVLayout:
+    """Solo's placement: the pools (when there are any) hold the full-attention
+    layers, read by the torch backend; every other layer is cached per row."""
+    pooled = tuple(pools.layers) if pools is not None else ()
+    kv_quant = pools.kv_quant if pools is not None else "none"
+    return KVLayout(
+        specs=tuple(specs), bytes_per_token=tuple(token_bytes(specs, dtype, kv_quant)),
+        budget_bytes=pools.nbytes if pools is not None else 0, in_place=False,
+        block_size=pools.block_size if pools is not None else None,
+        num_blocks=pools.num_blocks if pools is not None else 0,
+        pooled_layers=pooled, paged_layers=frozenset(pooled), mirrored_layers=frozenset(),
+        row_layers=tuple(i for i in range(len(specs)) if i not in pooled), prefix_salt=None, kv_quant=kv_quant,
+    )

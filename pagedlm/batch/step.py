@@ -12,7 +12,8 @@ import torch
 from pagedlm.cache.step import StepBatch
 
 if TYPE_CHECKING:
-    from .block_manager import BlockManager
+    from pagedlm.cache.blocks import BlockManager
+
     from .sequence import Sequence
 
 
@@ -21,7 +22,8 @@ def prepare_step(
     device: torch.device,
     blocks: "BlockManager | None" = None,
 ) -> StepBatch:
-    """The step for ``rows``: (sequence, number of new tokens) in row order.
+    """The step for ``rows``: (sequence, number of new tokens) in row order;
+    with ``blocks`` (the paged store) their block tables and slot mapping.
 
     A row samples when its new tokens reach the end of its tokens (a decode
     row, or the last chunk of a prompt); a row mid-prompt only stores keys.

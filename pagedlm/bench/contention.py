@@ -29,8 +29,9 @@ import time
 import torch
 
 from .. import options as opt
+from ..batch.engine import LLMEngine
 from ..params import SamplingParams
-from .decode import load_for_bench
+from .common import load_for_bench
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -83,8 +84,6 @@ def _summary(firsts: list[tuple[int, float]]) -> dict:
 
 
 def run_contention_bench(args, engine_options: opt.EngineOptions) -> int:
-    from ..batch.engine import LLMEngine
-
     if args.short_min_tokens > args.short_max_tokens:
         raise opt.OptionError("--short-min-tokens must be <= --short-max-tokens")
     model, tokenizer, device, dtype, spec = load_for_bench(args)

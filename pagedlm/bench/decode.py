@@ -11,19 +11,26 @@ llama-cpp-python on the same GGUF file with ``--against llama.cpp``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .. import options as opt
-from ..params import SamplingParams
+from ..batch.engine import LLMEngine
 from ..cache.kv_quant import KV_QUANT_MODES
+from ..cache.layout import kv_bytes
+from ..loading.catalog import BUILTINS
+from ..models.layers import Embedding
+from ..params import SamplingParams
+from .common import default_store, fastest_config, hf_model, load_for_bench, paged_configs
 
 FILLER = (
     "The history of the printing press begins in the fifteenth century, when movable type "
@@ -46,81 +53,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-class _SyntheticTokenizer:
-    """For random weights: fixed pseudo-random prompt ids, no end-of-sequence,
-    no text. Speed does not depend on what the tokens say."""
-
-    eos_token_ids: set[int] = set()
-    special_token_ids: frozenset[int] = frozenset()
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, self.vocab_size, (len(text),), generator=g).tolist()
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return ""
-
-    def detokenizer(self, skip_special_tokens: bool = True):
-        return self
-
-    def add_token(self, token: int) -> str:
-        return ""
-
-    def finalize(self) -> str:
-        return ""
-
-
-def load_random(folder: str, device: str, dtype: torch.dtype):
-    """A model with random weights from a folder's config.json: matrices
-    normal(0, 0.02), vectors (norm weights, biases) normal(0, 1) so that a
-    greedy trajectory wanders instead of repeating one token."""
-    import json
-    from pathlib import Path
-
-    from ..models import build_model
-
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise opt.OptionError(f"--random-weights needs a folder with a config.json (got {folder!r})")
-    config = json.loads(path.read_text())
-    with torch.device(device):
-        model = build_model(config).to(dtype).eval()
-    g = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02 if p.dim() >= 2 else 1.0, generator=g)
-    return model, _SyntheticTokenizer(config["vocab_size"])
-
-
-def load_for_bench(args, quantization: str | None = None):
-    """``(model, tokenizer, device, dtype, spec)`` for a bench's ``--model``,
-    ``--device``, ``--dtype``, ``--random-weights`` and ``--quantization``
-    (``quantization`` overrides the flag; random weights are quantized after
-    they are drawn)."""
-    device = opt.resolve_device(args.device)
-    dtype = opt.resolve_dtype(args.dtype, device)
-    spec = args.model or opt.DEFAULT_MODEL
-    if quantization is None:
-        quantization = opt.resolve_quantization(getattr(args, "quantization", None))
-    if args.random_weights:
-        model, tokenizer = load_random(spec, device, dtype)
-        if quantization != "none":
-            from ..loading.quant import quantize_model
-
-            quantize_model(model, quantization)
-    else:
-        from ..loading import load
-
-        model, tokenizer = load(spec, device, dtype, quantization=quantization)
-    return model, tokenizer, device, dtype, spec
-
-
 def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> Callable:
-    from ..batch.engine import LLMEngine
-
     engine = LLMEngine(model, tokenizer, engine_options)
     options = SamplingParams(max_tokens=gen_len, ignore_eos=True)
 
@@ -183,9 +116,6 @@ def bytes_per_decode_step(model, context: int) -> int:
     reads, once (a quantized layer's kernel buffers, not its row copy; an
     embedding only as the tied head: a lookup reads one row), and the keys
     and values of ``context`` tokens (a sliding layer's window at most)."""
-    from ..cache.store import kv_bytes
-    from ..models.layers import Embedding
-
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
     seen = set()  # storages counted, or that no product reads
     for m in model.modules():
@@ -210,10 +140,6 @@ def _storages(tensors) -> set[int]:
 
 def gguf_path(spec: str):
     """The GGUF file behind a built-in name or a .gguf path, else None."""
-    from pathlib import Path
-
-    from ..loading.catalog import BUILTINS
-
     if spec in BUILTINS:
         return BUILTINS[spec].locate()
     path = Path(spec).expanduser()
@@ -245,8 +171,6 @@ def _llama_cpp(path, gen_len: int, n_ctx: int) -> Callable:
 
 
 def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
-    import importlib.util
-
     device = opt.resolve_device(args.device)
     spec = args.model or opt.DEFAULT_MODEL
     quantization = opt.resolve_quantization(args.quantization)
@@ -277,8 +201,6 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         runners[quantization] = _ours(models[quantization], tokenizer, fastest_config(unquantized, device),
                                       args.gen_len)
     if args.against == "hf":
-        from .throughput import hf_model
-
         runners["hf"] = _hf(hf_model(spec, args.random_weights, model, device, dtype), device, args.gen_len)
     if args.against == "llama.cpp":
         runners["llama.cpp"] = _llama_cpp(gguf_path(spec), args.gen_len, max(args.prompt_len) + args.gen_len + 8)
@@ -305,18 +227,6 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
 
 
 KV_QUANT_ROWS = tuple(f"paged-{m}" for m in KV_QUANT_MODES if m != "none")
-
-
-def paged_configs(engine_options: opt.EngineOptions, device: str) -> dict[str, opt.EngineOptions]:
-    """The paged configurations a bench compares: on CUDA with the backend
-    left to ``auto``, the gather path and the in-place kernels side by side
-    ("paged-gather", "paged-fused"); else the one asked for ("paged")."""
-    if engine_options.paged_kv is None:
-        return {}
-    if engine_options.attention_backend == "auto" and device.startswith("cuda"):
-        return {"paged-gather": dataclasses.replace(engine_options, attention_backend="torch"),
-                "paged-fused": dataclasses.replace(engine_options, attention_backend="triton")}
-    return {"paged": engine_options}
 
 
 def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roofline: dict | None) -> None:
@@ -371,17 +281,3 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
                                             f"decode_ratio_vs_{tag}") if k in row)
             print(f"{row['name']:20s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
                   f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)
-
-
-def fastest_config(engine_options: opt.EngineOptions, device: str) -> opt.EngineOptions:
-    """Where a bench's quantized-weights row runs: the fastest store asked
-    for (the last of ``paged_configs``, else the default store), with
-    unquantized KV, so that it differs from that row by the weights alone."""
-    unquantized = dataclasses.replace(engine_options, kv_quant="none")
-    return [default_store(engine_options), *paged_configs(unquantized, device).values()][-1]
-
-
-def default_store(engine_options: opt.EngineOptions) -> opt.EngineOptions:
-    """The default-store row of a bench: no paging (so no paged attention
-    backend and no KV quantization), everything else as asked."""
-    return dataclasses.replace(engine_options, paged_kv=None, attention_backend="auto", kv_quant="none")

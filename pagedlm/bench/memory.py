@@ -26,7 +26,8 @@ live sequences), ``kv_bytes_live`` (holding tokens they attend to),
 ``kv_live_fraction``, and ``bytes_per_live_token`` = allocated / live * the
 KV bytes of one token across all layers (for a model without sliding-window
 layers: exactly bytes allocated per live token). ``admitted``: the most
-sequences running at once (peak), with ``preemptions``.
+sequences running at once (peak), with ``preemptions``. Each store's row
+names the attention backend its engine ran (``attention_backend``).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ import random
 import torch
 
 from .. import options as opt
+from ..cache.layout import kv_bytes, token_bytes
+from ..llm import LLM
 from ..params import SamplingParams
-from ..cache.store import kv_bytes, token_bytes
-from .throughput import make_llm
+from .common import default_store, load_for_bench
 
 
 MAX_STEP_TOKENS = 16384
@@ -53,8 +55,6 @@ def _check(args) -> None:
 
 
 def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import default_store, load_for_bench
-
     _check(args)
     model, tokenizer, device, dtype, spec = load_for_bench(args)
 
@@ -86,11 +86,11 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
             "paged": dataclasses.replace(base_options, paged_kv=paged, kv_quant="none")}
     if kv_quant != "none":
         runs[f"paged-{kv_quant}"] = dataclasses.replace(base_options, paged_kv=paged)
-    stats = {}
+    stats, backends = {}, {}
     for name, options in runs.items():
-        llm = make_llm(model, tokenizer, options)
+        llm = LLM(model, tokenizer=tokenizer, engine_options=options)
         llm.generate(prompts, params, use_tqdm=False)
-        stats[name] = llm.stats
+        stats[name], backends[name] = llm.stats, llm.engine.attention_backend
         del llm
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -113,7 +113,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
         per_token = sum(token_bytes(specs, dtype, options.kv_quant))
         rows.append({"name": name, "store": "default" if options.paged_kv is None else "paged", **base,
                      "block_size": paged.block_size if options.paged_kv else None,
-                     "kv_quant": options.kv_quant, "kv_bytes_per_token": per_token,
+                     "attention_backend": backends[name], "kv_quant": options.kv_quant, "kv_bytes_per_token": per_token,
                      "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
                      "kv_live_fraction": round(s.live_fraction, 4),
                      "bytes_per_live_token": per_live_token(s.kv_bytes_allocated, s.kv_bytes_live, per_token),
@@ -123,7 +123,7 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
             rows[-1]["admitted_vs_paged"] = round(s.peak_running / stats["paged"].peak_running, 3)
     s = stats["paged"]
     token_bytes_none = sum(bytes_per_token)
-    rows.append({"name": "padded", "store": "padded", **base, "block_size": None,
+    rows.append({"name": "padded", "store": "padded", **base, "block_size": None, "attention_backend": None,
                  "kv_quant": "none", "kv_bytes_per_token": token_bytes_none,
                  "kv_bytes_allocated": round(s.kv_bytes_padded), "kv_bytes_live": round(s.kv_bytes_live),
                  "kv_live_fraction": round(s.kv_bytes_live / s.kv_bytes_padded, 4) if s.kv_bytes_padded else 0.0,

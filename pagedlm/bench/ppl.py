@@ -19,6 +19,7 @@ to went through the 8-bit round trip, as in the engine's decode.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -31,11 +32,12 @@ import torch
 
 from .. import options as opt
 from ..batch.solo import Solo
+from ..loading import load
 
 
 def reference_text() -> str:
     """The Python language reference, as shipped in the standard library."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # half a megabyte of text: only when asked
 
     return "\n\n".join(topics[k] for k in sorted(topics))
 
@@ -82,10 +84,6 @@ def perplexity(model, windows: list[list[int]], scorer: Callable = Solo, name: s
 
 
 def run_ppl_bench(args) -> int:
-    import gc
-
-    from ..loading import load
-
     device = opt.resolve_device(args.device)
     dtype = opt.resolve_dtype(args.dtype, device)
     spec = args.model or opt.DEFAULT_MODEL

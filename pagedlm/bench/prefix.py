@@ -34,13 +34,12 @@ import statistics
 import time
 
 from .. import options as opt
+from ..batch.engine import LLMEngine
 from ..params import SamplingParams
-from .decode import load_for_bench
+from .common import load_for_bench
 
 
-def _engine(model, tokenizer, options: opt.EngineOptions, caching: bool):
-    from ..batch.engine import LLMEngine
-
+def _engine(model, tokenizer, options: opt.EngineOptions, caching: bool) -> LLMEngine:
     paged = dataclasses.replace(options.paged_kv, prefix_caching=caching)
     return LLMEngine(model, tokenizer, dataclasses.replace(options, paged_kv=paged))
 
@@ -55,16 +54,16 @@ def _first_token_s(engine, ids: list[int], max_tokens: int = 1):
 
 
 def _shared(engine, prefix: list[int], questions: list[list[int]], max_tokens: int) -> dict:
-    blocks = engine.blocks
-    per_block = engine.store.pools.nbytes // blocks.num_blocks
+    per_block = engine.cache_stats().block_bytes
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     seqs = [engine.add_request(prefix + q, params)[0] for q in questions]
     peak_blocks = peak_refs = peak_all = 0
     while engine.has_unfinished():
         engine.step()
-        peak_blocks = max(peak_blocks, blocks.num_used)
-        peak_refs = max(peak_refs, sum(len(t) for t in blocks.tables.values()))
+        peak_blocks = max(peak_blocks, engine.cache_stats().blocks_used)
+        # TODO(surface): CacheStats.block_refs (blocks in sequences' tables: one shared by k counts k times)
+        peak_refs = max(peak_refs, sum(len(t) for t in engine.blocks.tables.values()))
         peak_all = max(peak_all, engine.kv_usage().allocated)
     total = time.perf_counter() - t0
     ttft = [s.first_token_at - t0 for s in seqs]
@@ -122,7 +121,7 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
         shared[caching] = _shared(engine, prefix, questions, args.max_tokens)
         if caching:
             one_copy = args.prefix_len + args.num_requests * (args.question_len + args.max_tokens)
-            per_token = engine.store.pools.nbytes // (engine.blocks.num_blocks * paged.block_size)
+            per_token = engine.cache_stats().block_bytes // paged.block_size
             shared[caching]["one_copy_pool_bytes"] = one_copy * per_token
         del engine
     on, off = shared[True], shared[False]

@@ -4,7 +4,9 @@
 uniform in ``[--min-len, --max-len]`` (seeded), end-of-sequence ignored, all
 handed to ``LLM.generate`` at once. Reported: total output tokens / elapsed
 seconds, the KV figures of the run (mean bytes allocated, mean bytes holding
-live tokens, their ratio, preemptions).
+live tokens, their ratio, preemptions), and the attention backend the
+engine ran (``attention_backend``: ``torch`` or ``triton``, as resolved from
+``--attention-backend``).
 
 Every configuration runs in the same process, on the same weights and the
 same prompts: the default store always; the paged store with ``--paged-kv``
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import json
 import platform
 import random
@@ -39,8 +42,10 @@ from typing import Callable
 import torch
 
 from .. import options as opt
+from ..cache.layout import token_bytes
+from ..llm import LLM
 from ..params import SamplingParams
-from ..cache.store import token_bytes
+from .common import default_store, fastest_config, hf_model, load_for_bench, paged_configs
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 
@@ -69,13 +74,6 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def make_llm(model, tokenizer, options: opt.EngineOptions):
-    """An `LLM` over an already loaded model, with exactly these engine options."""
-    from ..llm import LLM
-
-    return LLM(model, tokenizer=tokenizer, engine_options=options)
-
-
 @dataclasses.dataclass
 class Run:
     seconds: float
@@ -91,7 +89,7 @@ class Run:
 
 def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: str) -> Callable[[], Run]:
     """One engine for every repeat; warmed up once on a tiny batch."""
-    llm = make_llm(model, tokenizer, options)
+    llm = LLM(model, tokenizer=tokenizer, engine_options=options)
     prompts = [p for p, _ in work]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p[:16] for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -116,55 +114,6 @@ def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: s
 # transformers
 
 
-def unfuse(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """Our state dict under Hugging Face's names: split the fused q/k/v and
-    gate/up projections (``models/layers.py::FUSED_PROJECTIONS``) back apart."""
-    from ..models.layers import FUSED_PROJECTIONS
-
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    sizes = {"self_attn.qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-             "mlp.gate_up_proj": [config["intermediate_size"]] * 2}
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        for fused, parts in FUSED_PROJECTIONS.items():
-            marker = f".{fused}."
-            if marker in key:
-                prefix, suffix = key.split(marker)
-                for part, piece in zip(parts, torch.split(tensor, sizes[fused], dim=0)):
-                    out[f"{prefix}.{part}.{suffix}"] = piece.contiguous()
-                break
-        else:
-            out[key] = tensor
-    return out
-
-
-def hf_model(spec: str, random_weights: bool, ours_model, device: str, dtype: torch.dtype):
-    """transformers' model on the same weights: the same folder, or for
-    ``--random-weights`` the same config with our tensors copied in."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..loading import resolve
-
-    if not random_weights:
-        return AutoModelForCausalLM.from_pretrained(resolve(spec), dtype=dtype).to(device).eval()
-    from pathlib import Path
-
-    config_dict = json.loads((Path(spec) / "config.json").read_text())
-    config = AutoConfig.from_pretrained(spec)
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = unfuse({k: v for k, v in ours_model.state_dict().items()}, config_dict)
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config_dict.get("tie_word_embeddings"))]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not map onto transformers' model: missing {missing[:4]}, "
-                           f"unexpected {unexpected[:4]}")
-    if config_dict.get("tie_word_embeddings"):
-        hf.tie_weights()
-    return hf.eval()
-
-
 def hf_limits(engine, device: str) -> dict[str, int]:
     """transformers' continuous batching sized like our engine on the CPU (the
     same KV bytes, tokens per step and rows per step); there it would otherwise
@@ -173,15 +122,13 @@ def hf_limits(engine, device: str) -> dict[str, int]:
     if device.startswith("cuda"):
         return {}
     page = 256
-    per_block = page * sum(token_bytes(engine.specs, engine.dtype))  # its cache is not quantized
-    return {"page_size": page, "num_blocks": max(1, engine.kv_budget_bytes // per_block),
+    per_block = page * sum(token_bytes(engine.model.kv_spec(), engine.dtype))  # its cache is not quantized
+    return {"page_size": page, "num_blocks": max(1, engine.cache_stats().kv_budget_bytes // per_block),
             "max_batch_tokens": engine.max_num_batched_tokens, "max_requests_per_batch": engine.max_num_seqs}
 
 
 def hf_runner(hf, work: Workload, device: str, timeout: float | None = None,
               limits: dict[str, int] | None = None) -> Callable[[], Run]:
-    import inspect
-
     from transformers import GenerationConfig
 
     max_new = max(n for _, n in work)
@@ -283,8 +230,6 @@ def _check(args) -> None:
 
 
 def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
-    from .decode import default_store, fastest_config, load_for_bench, paged_configs
-
     _check(args)
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else 10000
@@ -307,7 +252,7 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
         configs[quantization] = fastest_config(engine_options, device)
         models[quantization] = load_for_bench(args, quantization=quantization)[0]
     runs: dict[str, list[Run]] = {name: [] for name in configs}
-    kv_capacity: dict[str, int] = {}
+    ran: dict[str, dict] = {}  # name -> what its engine ran with: attention backend, KV capacity
     # One engine at a time: on CUDA the paged pool takes most free memory, and
     # transformers' cache wants it after us.
     engines = {}
@@ -317,8 +262,11 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     try:  # Ctrl-C or SIGINT (a time limit): report what was measured
         for name, options in configs.items():
             engines[name] = ours(models[name], tokenizer, options, work, device)
-            kv_capacity[name] = engines[name].llm.engine.kv_usage().capacity
-            limits = hf_limits(engines[name].llm.engine, device)
+            engine = engines[name].llm.engine
+            ran[name] = {"attention_backend": engine.attention_backend,
+                         "kv_capacity_bytes": engine.kv_usage().capacity}
+            limits = hf_limits(engine, device)
+            del engine  # on CUDA the pool goes with engines[name], below
             if device.startswith("cuda"):
                 for _ in range(args.repeats):
                     runs[name].append(engines[name]())
@@ -340,8 +288,8 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
         interrupted = True
         if args.against == "hf" and not runs.get("hf"):
             runs["hf"] = [Run(0.0, 0, error="interrupted before transformers finished")]
-    _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity,
-            limits if hf_run else None, interrupted)
+    _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits if hf_run else None,
+            interrupted)
     return 130 if interrupted else 0
 
 
@@ -353,7 +301,7 @@ def _median_run(runs: list[Run]) -> Run:
     return ok[(len(ok) - 1) // 2]
 
 
-def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity, limits, interrupted=False) -> None:
+def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits, interrupted=False) -> None:
     base = {
         "model": spec, "random_weights": bool(args.random_weights), "device": device,
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": len(work),
@@ -376,6 +324,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity
         s = r.stats
         row = {"name": f"pagedlm-{name}", **base, "store": store,
                "block_size": options.paged_kv.block_size if options.paged_kv else None,
+               "attention_backend": ran[name]["attention_backend"],
                "kv_quant": options.kv_quant, "quantization": name if name in opt.QUANTIZATIONS else "none",
                "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "output_tokens": r.output_tokens,
@@ -383,7 +332,8 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, kv_capacity
                "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
                "kv_live_fraction": round(s.live_fraction, 4),
                "kv_bytes_padded": round(s.kv_bytes_padded),
-               "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated, "kv_capacity_bytes": kv_capacity[name],
+               "peak_kv_bytes_allocated": s.peak_kv_bytes_allocated,
+               "kv_capacity_bytes": ran[name]["kv_capacity_bytes"],
                "peak_running": s.peak_running, "steps": s.steps, "preemptions": s.preemptions}
         if name != "default" and runs.get("default"):
             row["ratio_vs_default"] = round(r.tok_s / _median_run(runs["default"]).tok_s, 3)

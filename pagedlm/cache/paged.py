@@ -1,4 +1,4 @@
-"""The paged store's pools: one block pool per full-attention layer, shared by every sequence.
+"""The paged store's pools: one block pool per pooled layer (``KVLayout.pooled_layers``), shared by every sequence.
 
 Each pool holds keys and values as ``[num_blocks, block_size, H_kv, D]``,
 token-major: a block is ``block_size`` consecutive token rows of
@@ -9,11 +9,13 @@ what the fused decode kernel wants: one block of one KV head is a strided
 tile of ``block_size`` rows of ``D`` contiguous values, loaded once for every
 query head of the group. The pools are allocated once, from a byte budget;
 which blocks a sequence owns is the block manager's business
-(``batch.block_manager``), not the pool's.
+(``cache.blocks``), not the pool's; how many blocks and which layers, the
+layout's (``cache.layout``).
 
 Writes go through ``kernels.paged_attention.write_kv`` (keys and values in
 one launch) when the pools are ``fused``, that is when attention reads them
-in place with the Triton kernels; else through two ``index_copy_``.
+in place (``KVLayout.in_place``: the Triton kernels); else through two
+``index_copy_``.
 
 On the reference path ``gather`` copies rows' blocks into one contiguous
 ``[rows, length, H_kv, D]`` tensor (one prompt-chunk row at its length, or
@@ -93,7 +95,7 @@ class PagedPools:
         first, and their scales copied beside them, with ``kv_quant``)."""
         if self.fused:
             write_kv(keys, values, self.k[layer], self.v[layer], slot_mapping, self.scales(layer),
-                     kvq.QMAX.get(self.kv_quant, 0.0))
+                     fmt=self.kv_quant, qmax=kvq.QMAX.get(self.kv_quant, 0.0))
             return
         self._put(self.k[layer], self.k_scale.get(layer), keys, slot_mapping)
         self._put(self.v[layer], self.v_scale.get(layer), values, slot_mapping)

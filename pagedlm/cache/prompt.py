@@ -1,25 +1,26 @@
 """Prompt cache: reuse a previous request's KV caches by longest common token prefix.
 
 Whole entries, LRU under a byte cap (``max_bytes``) and, on the engine's
-default store, inside its KV budget: the engine passes the room its running
-sequences leave (``put(..., room=)``, ``evict_to``), so that live KV and
-cached prefixes together never exceed the one budget, cached prefixes going
-first (least recently used) when an admission needs the room. A request ``take``s the entry that
-shares the longest prefix with its prompt; the entry leaves the LRU (the
-request owns it now, so nothing else can mutate it), is trimmed back to that
-prefix, and only the rest of the prompt is prefilled. When the request is
-done it ``put``s its caches back, keyed by exactly the tokens they hold.
-A multi-turn chat therefore reuses the previous turn: the new prompt starts
-with the old prompt and the old reply.
+default store, inside its KV budget: the byte admission
+(``cache.admission.ByteAdmission``) passes the room its running sequences
+leave (``put(..., room=)``, ``evict_to``), so that live KV and cached
+prefixes together never exceed the one budget, cached prefixes going first
+(least recently used) when an admission needs the room. A request
+``take``s the entry that shares the longest prefix with its prompt; the
+entry leaves the LRU (the request owns it now, so nothing else can mutate
+it), is trimmed back to that prefix, and only the rest of the prompt is
+prefilled. When the request is done it ``put``s its caches back, keyed by
+exactly the tokens they hold. A multi-turn chat therefore reuses the
+previous turn: the new prompt starts with the old prompt and the old reply.
 
 Only contiguous caches (``KVCache``, ``RotatingKVCache``) are stored: the
-engine keeps a prompt cache only on the default store (the paged store's
-prefix sharing is block-level, a later step), and ``put`` refuses anything
+engine keeps a prompt cache only on the default store (the paged store
+shares prefixes by blocks, ``cache.blocks``), and ``put`` refuses anything
 else with ``TypeError``.
 
 Not thread-safe: one user at a time (the engine's scheduler, on the thread
-that steps it). ``nbytes``, ``hits`` and ``misses`` are plain ints, safe to read from
-another thread for metrics.
+that steps it). ``nbytes``, ``hits`` and ``misses`` are plain ints, safe to
+read from another thread for metrics.
 """
 
 from __future__ import annotations

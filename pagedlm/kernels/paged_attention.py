@@ -1,7 +1,9 @@
-"""Triton kernels over the paged pools, each beside its pure-torch reference.
+"""Triton kernels over the paged pools.
 
     write_kv(keys, values, k_pool, v_pool, slot_mapping)            # one launch per layer
     paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale)  # one query per row
+
+Their float64 and torch references are the tests' (``tests/fast/kernel_refs.py``).
 
 The pools are ``[num_blocks, block_size, H_kv, D]`` (``cache.paged``); a
 row's token ``j`` lives at block ``table[j // block_size]``, offset ``j %
@@ -74,7 +76,8 @@ if triton is not None:
     @triton.jit
     def _write_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v,
                          sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
-                         H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, H_PAD: tl.constexpr, QMAX: tl.constexpr):
+                         H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, H_PAD: tl.constexpr, QMAX: tl.constexpr,
+                         INT8: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(Slots + t).to(tl.int64)
         if slot >= 0:  # -1: a padded row under a CUDA graph writes nothing
@@ -86,8 +89,8 @@ if triton is not None:
             s_at = block * ss_block + off * ss_tok + h * ss_head
             k_at = block * sk_block + off * sk_tok + h[:, None] * sk_head + d[None, :] * sk_dim
             v_at = block * sv_block + off * sv_tok + h[:, None] * sv_head + d[None, :] * sv_dim
-            _write_rows(K + t * stride_k + src, KPool + k_at, KScale + s_at, hm, QMAX)
-            _write_rows(V + t * stride_v + src, VPool + v_at, VScale + s_at, hm, QMAX)
+            _write_rows(K + t * stride_k + src, KPool + k_at, KScale + s_at, hm, QMAX, INT8)
+            _write_rows(V + t * stride_v + src, VPool + v_at, VScale + s_at, hm, QMAX, INT8)
 
     @triton.jit
     def _to_bfloat16(x):
@@ -98,10 +101,10 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _write_rows(src, dst, scale_dst, hm, QMAX: tl.constexpr):
+    def _write_rows(src, dst, scale_dst, hm, QMAX: tl.constexpr, INT8: tl.constexpr):
         """One token's heads ``[H, D]``: copied, or (QMAX > 0) quantized as
         ``cache.kv_quant.quantize`` does: a bfloat16 scale per head, codes
-        clamped to +-QMAX (int8: rounded half to even; else e4m3)."""
+        clamped to +-QMAX (INT8: rounded half to even; else e4m3, rounded by the cast)."""
         m = hm[:, None]
         x = tl.load(src, mask=m, other=0.0)
         if QMAX == 0:
@@ -111,7 +114,7 @@ if triton is not None:
             scale = _to_bfloat16(tl.math.div_rn(tl.max(tl.abs(x), 1), QMAX))
             scale = tl.where(scale > 0, scale, 1.0)
             y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
-            if QMAX == 127.0:
+            if INT8:
                 r = tl.floor(y + 0.5)
                 tie_to_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
                 codes = tl.where(tie_to_odd, r - 1.0, r)
@@ -266,14 +269,18 @@ if triton is not None:
 
 
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-             qmax: float = 0.0) -> None:
+             slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+             fmt: str = "none", qmax: float = 0.0) -> None:
     """Store ``[T, H_kv, D]`` keys and values at ``slot_mapping`` ``[T]`` (a
     negative slot is skipped): one launch for both. With ``scales`` (the
-    pools' ``[blocks, block_size, H_kv]`` scales) the pools hold 8-bit codes:
-    each token's heads are quantized to +-``qmax`` as ``cache.kv_quant``
-    does, in the same launch. Pools and scales are addressed through their
-    strides (token-major or head-major alike)."""
+    pools' ``[blocks, block_size, H_kv]`` scales) the pools hold 8-bit codes
+    of ``fmt`` (``"int8"`` or ``"fp8"``): each token's heads are quantized to
+    +-``qmax`` as ``cache.kv_quant`` does, in the same launch. Pools and
+    scales are addressed through their strides (token-major or head-major
+    alike)."""
+    if fmt not in ("none", "int8", "fp8") or (fmt == "none") != (scales is None):
+        raise ValueError(f"write_kv: format {fmt!r} with{'out' if scales is None else ''} scales "
+                         "(8-bit formats write scales, 'none' does not)")
     T, H, D = keys.shape
     if T == 0:
         return
@@ -282,7 +289,7 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_p
     _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, k_scale, v_scale, slot_mapping,
                            keys.stride(0), values.stride(0), *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
                            H=H, D=D, BS=k_pool.shape[1], H_PAD=triton.next_power_of_2(H),
-                           QMAX=float(qmax if scales is not None else 0.0))
+                           QMAX=float(qmax if scales is not None else 0.0), INT8=fmt == "int8")
 
 
 def _scale_strides(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int]:
@@ -291,14 +298,6 @@ def _scale_strides(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[in
         return (0, 0, 0)
     assert scales[0].stride() == scales[1].stride(), "key and value scales share a layout"
     return scales[0].stride()
-
-
-def write_kv_reference(keys, values, k_pool, v_pool, slot_mapping) -> None:
-    """What ``write_kv`` does, in torch."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_pool.view(-1, *k_pool.shape[2:])[slots] = keys[keep]
-    v_pool.view(-1, *v_pool.shape[2:])[slots] = values[keep]
 
 
 def _rows_flat(x: torch.Tensor) -> torch.Tensor:
@@ -408,22 +407,4 @@ def paged_decode(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), _window(window), D=D, SPLIT=SPLIT, CHUNK=MERGE_CHUNK,
     )
-    return out
-
-
-def paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
-    """What ``paged_decode`` computes, row by row in float64 (tests' oracle)."""
-    B, Hq, D = q.shape
-    BS, Hkv = k_pool.shape[1], k_pool.shape[2]
-    out = torch.empty((B, Hq, D), dtype=torch.float64, device=q.device)
-    for b in range(B):
-        n = int(seq_lens[b])
-        toks = torch.arange(n, device=q.device)
-        slots = block_tables[b, toks // BS].long() * BS + toks % BS
-        k = k_pool.reshape(-1, Hkv, D)[slots].double().repeat_interleave(Hq // Hkv, dim=1)
-        v = v_pool.reshape(-1, Hkv, D)[slots].double().repeat_interleave(Hq // Hkv, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
-        if window is not None:
-            scores[:, toks < n - window] = float("-inf")
-        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
     return out

@@ -46,7 +46,7 @@ def read_config(folder: str | Path) -> dict:
 
 
 def _fits(value, hint) -> bool:
-    """Whether a JSON value is of the type a ``ModelArgs`` field declares."""
+    """Whether a JSON value is of the type a family's ``args_class`` field declares."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return any(_fits(value, h) for h in typing.get_args(hint))
     if hint is type(None):
@@ -74,7 +74,7 @@ def _type_name(hint) -> str:
 
 def check_config(config, path: Path) -> None:
     """A LoadError unless ``config`` is an object with a supported
-    ``model_type``, every field its family's ``ModelArgs`` declares without a
+    ``model_type``, every field its family's ``args_class`` declares without a
     default, each field it gives of the declared type, and sizes >= 1."""
     from pagedlm.models import FAMILIES
 
@@ -87,8 +87,8 @@ def check_config(config, path: Path) -> None:
     if family is None:
         raise LoadError(f"{path}: model_type {model_type!r} is not supported "
                         f"(supported: {', '.join(sorted(FAMILIES))})")
-    hints = typing.get_type_hints(family.ModelArgs)
-    for field in fields(family.ModelArgs):
+    hints = typing.get_type_hints(family.args_class)
+    for field in fields(family.args_class):
         name, hint = field.name, hints[field.name]
         if name not in config:
             if field.default is MISSING and field.default_factory is MISSING:

@@ -187,7 +187,7 @@ def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dt
         convert(folder, mode, path)
     model = build_meta(folder, read_config(folder))
     layers = quantizable(model)
-    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    tied = model.args.tie_word_embeddings
     with safe_open(path, "pt") as f:
         keys = {k for k in f.keys() if not k.startswith(PAD)}
         quantized = {k for k in keys if k.rsplit(".", 1)[0] in layers and k.rsplit(".", 1)[1] in _PARTS}
@@ -219,7 +219,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     real models are converted once through the cache by ``load_quantized``."""
     from pagedlm.models.layers import Embedding
 
-    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    tied = model.args.tie_word_embeddings
     for module in quantizable(model).values():
         w = module.weight.detach()
         is_embedding = isinstance(module, Embedding)

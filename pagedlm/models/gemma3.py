@@ -1,36 +1,39 @@
 """Gemma 3 text model (model_type ``gemma3_text``).
 
-What sets it apart from the Llama family:
+What sets it apart from the Llama family, each an override of the skeleton
+(``models.base``):
   - interleaved layers: most slide over a window of ``sliding_window`` keys,
-    every few are global (``kv_spec``); the pattern comes
+    every few are global (``ModelArgs.window``); the pattern comes
     from ``layer_types`` or, in older configs, ``sliding_window_pattern``;
   - two RoPE bases: ``rope_theta`` (1e6, plus ``rope_scaling`` if any) on global
-    layers, ``rope_local_base_freq`` (1e4, unscaled) on sliding ones;
-  - four RMSNorms per block and per-head RMSNorm on q and k, all of the
-    ``(1 + w)``, float32 kind;
+    layers, ``rope_local_base_freq`` (1e4, unscaled) on sliding ones
+    (``Gemma3Model``);
+  - four RMSNorms per block (``TransformerBlock``) and per-head RMSNorm on
+    q and k, all of the ``(1 + w)``, float32 kind;
   - embeddings scaled by sqrt(hidden_size) rounded to the model dtype;
   - in float16, a float32 residual stream (``residual_dtype``);
   - attention scale ``query_pre_attn_scalar ** -0.5``; GELU-tanh MLP; tied
-    embeddings; optional final logit soft-capping.
+    embeddings; optional final logit soft-capping (``Model.compute_logits``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.nn as nn
 
-from pagedlm.cache.spec import KVSpec
-from pagedlm.cache.store import KVStore
-from pagedlm.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RoPE, fuse_projections, norm_rope
+from pagedlm.cache.step import StepBatch
+from pagedlm.models.base import Attention, Decoder, DecoderArgs, DecoderLM, KVAccess
+from pagedlm.models.layers import GatedMLP, RMSNorm, RoPE
 
+MODEL_TYPES = ("gemma3_text",)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(DecoderArgs):
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
@@ -59,24 +62,8 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     max_position_embeddings: int | None = None
 
-    @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
-        """Build from a config.json dict; unknown keys are ignored.
-
-        Accepts the classic ``rope_theta`` / ``rope_local_base_freq`` /
-        ``rope_scaling`` keys and transformers 5's ``rope_parameters``
-        (one dict per layer type).
-        """
-        names = {f.name for f in fields(cls)}
-        args = cls(**{k: v for k, v in config.items() if k in names})
-        rope = config.get("rope_parameters") or {}
-        if rope.get(FULL):
-            args.rope_theta = float(rope[FULL].get("rope_theta", args.rope_theta))
-            args.rope_scaling = rope[FULL]
-        if rope.get(SLIDING):
-            args.rope_local_base_freq = float(rope[SLIDING].get("rope_theta", args.rope_local_base_freq))
-            args.rope_local_scaling = rope[SLIDING]
-        return args
+    qk_norm = True
+    unit_offset_norms = True
 
     def __post_init__(self) -> None:
         if self.use_bidirectional_attention:
@@ -87,6 +74,22 @@ class ModelArgs:
             self.layer_types = [FULL if (i + 1) % p == 0 else SLIDING for i in range(self.num_hidden_layers)]
         self.rope_theta = float(self.rope_theta)
         self.rope_local_base_freq = float(self.rope_local_base_freq)
+
+    def read_rope_parameters(self, rope: dict) -> None:
+        """transformers 5's ``rope_parameters``: one dict per layer type."""
+        if rope.get(FULL):
+            self.rope_theta = float(rope[FULL].get("rope_theta", self.rope_theta))
+            self.rope_scaling = rope[FULL]
+        if rope.get(SLIDING):
+            self.rope_local_base_freq = float(rope[SLIDING].get("rope_theta", self.rope_local_base_freq))
+            self.rope_local_scaling = rope[SLIDING]
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_pre_attn_scalar**-0.5
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
 
 @lru_cache
@@ -105,31 +108,6 @@ def residual_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = D = args.head_dim
-        self.scale = args.query_pre_attn_scalar**-0.5
-        bias = args.attention_bias
-        self.qkv_heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
-        self.qkv_proj = Linear(args.hidden_size, sum(self.qkv_heads) * D, bias=bias)
-        self.o_proj = Linear(self.n_heads * D, args.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
-        self.k_norm = RMSNorm(D, args.rms_norm_eps, unit_offset=True)
-
-    def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
-        q = norm_rope(q, rope_rows, self.q_norm)
-        k = norm_rope(k, rope_rows, self.k_norm)
-        kv.write(self.layer, k, v, step)
-        out = kv.attend(self.layer, q, step, scale=self.scale)
-        return self.o_proj(out.reshape(T, -1))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -142,7 +120,8 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
 
-    def forward(self, x: torch.Tensor, rope_rows, kv: KVStore, step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor], kv: KVAccess,
+                step: StepBatch) -> torch.Tensor:
         # x, the residual stream, may be wider than the layers (``residual_dtype``):
         # the sub-layers take their dtype, the norms after them give back x's.
         dtype = self.input_layernorm.weight.dtype
@@ -152,66 +131,37 @@ class TransformerBlock(nn.Module):
         return h + self.post_feedforward_layernorm(mlp.to(h.dtype))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
+class Gemma3Model(Decoder):
+    """The decoder with Gemma's scaled embeddings, its residual dtype, and the
+    sliding layers' own RoPE (``self.rope`` rotates the global ones)."""
+
+    def __init__(self, args: ModelArgs, block):
+        super().__init__(args, block)
+        self.hidden_size = args.hidden_size
         self.ropes = {
             SLIDING: RoPE(args.head_dim, args.rope_local_base_freq, args.rope_local_scaling),
-            FULL: RoPE(args.head_dim, args.rope_theta, args.rope_scaling),
+            FULL: self.rope,
         }
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, unit_offset=True)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess, step: StepBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         dtype = h.dtype
-        h = (h * _embed_scale(self.args.hidden_size, dtype)).to(residual_dtype(dtype))
+        h = (h * _embed_scale(self.hidden_size, dtype)).to(residual_dtype(dtype))
         rope_rows = {t: rope.rows(positions, step.max_position, dtype) for t, rope in self.ropes.items()}
         for layer in self.layers:
             h = layer(h, rope_rows[layer.layer_type], kv, step)
         return self.norm(h).to(dtype)
 
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Gemma3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStore, step) -> torch.Tensor:
-        """Hidden states ``[T, d]`` of one flattened step (``batch.step.StepBatch``):
-        ``input_ids`` and ``positions`` ``[T]``, keys and values through ``kv``."""
-        return self.model(input_ids, positions, kv, step)
+class Model(DecoderLM):
+    args_class = ModelArgs
+    block_class = TransformerBlock
+    decoder_class = Gemma3Model
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits of the hidden states of the rows that need them (a prefill
-        needs only its last: the 262k-wide head is the biggest matmul)."""
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
+        """The head's logits, soft-capped by ``final_logit_softcapping``."""
+        logits = super().compute_logits(h)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def sanitize(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Drop what the module does not own (a tied lm_head, old RoPE
-        buffers); fuse q/k/v and gate/up as the modules hold them."""
-        return fuse_projections({
-            k: v
-            for k, v in weights.items()
-            if not (self.args.tie_word_embeddings and k == "lm_head.weight")
-            and "rotary_emb" not in k
-        })
-
-    def kv_spec(self) -> list[KVSpec]:
-        a = self.args
-        return [
-            KVSpec(a.num_key_value_heads, a.head_dim, a.sliding_window if t == SLIDING else None)
-            for t in a.layer_types
-        ]

@@ -11,8 +11,12 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from pagedlm.options import OptionError, ServerOptions, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from pagedlm.batch.engine import LLMEngine
 
 log = logging.getLogger("pagedlm.server")
 
@@ -42,8 +46,9 @@ def check_tls(keyfile: str | None, certfile: str | None) -> None:
                           f"({getattr(e, 'reason', None) or e})") from None
 
 
-def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[str]:
+def effective_config(options: ServerOptions, device: str, dtype, engine: "LLMEngine") -> list[str]:
     """One ``name = value`` line per setting, secrets masked."""
+    caches = engine.cache_stats()
     paged = (f"on, block size {options.paged_kv.block_size}, prefix caching "
              f"{'on' if options.paged_kv.prefix_caching else 'off'}" if options.paged_kv else "off")
     return [
@@ -62,17 +67,17 @@ def effective_config(options: ServerOptions, device: str, dtype, llm) -> list[st
         f"paged_kv = {paged}",
         f"kv_quant = {options.engine.kv_quant}",
         f"prompt_cache_bytes = {options.prompt_cache_bytes}"
-        + (" (off)" if llm.prompt_cache is None else ""),
+        + (" (off)" if caches.prompt_cache_entries is None else ""),
         f"max_queue = {options.max_queue}",
         f"max_prompts_per_request = {options.max_prompts_per_request}",
         f"header_timeout = {options.header_timeout:g}s, body_timeout = {options.body_timeout:g}s, "
         f"max_connections = {options.max_connections}",
         f"api_key = {'set' if options.api_key else 'not set (no authentication)'}",
-        f"max_model_len = {llm.max_model_len}",
-        f"max_num_seqs = {llm.max_num_seqs}",
-        f"max_num_batched_tokens = {llm.max_num_batched_tokens}",
-        f"kv_budget_bytes = {llm.kv_budget_bytes}"
-        + (f" ({llm.blocks.num_blocks} blocks)" if llm.blocks is not None else ""),
+        f"max_model_len = {engine.max_model_len}",
+        f"max_num_seqs = {engine.max_num_seqs}",
+        f"max_num_batched_tokens = {engine.max_num_batched_tokens}",
+        f"kv_budget_bytes = {caches.kv_budget_bytes}"
+        + (f" ({caches.blocks_total} blocks)" if caches.blocks_total is not None else ""),
     ]
 
 
@@ -115,9 +120,9 @@ def run(options: ServerOptions) -> int:
     from pagedlm.loading import load
 
     from .app import build_app
-    from .engine import Engine
     from .loop import EngineLoop
     from .metrics import Metrics
+    from .planner import Planner
 
     _setup_logging(options.log_level)
     device = resolve_device(options.device)
@@ -126,16 +131,16 @@ def run(options: ServerOptions) -> int:
     sock = bind(options.host, options.port)
     log.info("loading %s on %s", options.model, device)
     model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
-    llm = LLMEngine(model, tokenizer, options.engine)
+    engine = LLMEngine(model, tokenizer, options.engine)
     metrics = Metrics(model_name=options.model_names[0])
-    lane = EngineLoop(llm, options.max_queue, metrics, options.max_prompts_per_request)
-    engine = Engine(llm, list(options.model_names), default_seed=options.seed,
-                    chat_template=options.chat_template)
-    metrics.bind(llm, lane)
-    app = build_app(engine, lane, metrics, options)
+    lane = EngineLoop(engine, options.max_queue, metrics, options.max_prompts_per_request)
+    planner = Planner(engine, list(options.model_names), default_seed=options.seed,
+                      chat_template=options.chat_template)
+    metrics.bind(engine, lambda: lane.depth)
+    app = build_app(planner, lane, metrics, options)
 
     log.info("pagedlm serve, effective configuration:")
-    for line in effective_config(options, device, dtype, llm):
+    for line in effective_config(options, device, dtype, engine):
         log.info("  %s", line)
     if options.api_key is None and options.host not in LOOPBACK:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it",

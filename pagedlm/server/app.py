@@ -48,7 +48,7 @@ from .protocol import (
 from .responses import ChatShape, CompletionShape, Shape
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .planner import Planner
 
 log = logging.getLogger("pagedlm.server")
 
@@ -131,7 +131,7 @@ class RequireKey:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
-def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "ServerOptions") -> FastAPI:
+def build_app(planner: "Planner", lane: EngineLoop, metrics: Metrics, options: "ServerOptions") -> FastAPI:
     app = FastAPI(title="pagedlm", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     started = int(time.time())
     # Added last, so outermost: a preflight is answered, and every answer (a
@@ -179,7 +179,7 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
     @app.get("/health")
     @app.head("/health")  # load balancers probe with HEAD
     async def health() -> dict:
-        return {"status": "ok", "model": engine.model_id}
+        return {"status": "ok", "model": planner.model_id}
 
     @app.get("/ping")
     @app.post("/ping")  # vLLM's (SageMaker's) probe
@@ -197,15 +197,15 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
         return Response(metrics.render(), media_type=metrics.content_type)
 
     def card(model_id: str) -> ModelCard:
-        return ModelCard(id=model_id, created=started, max_model_len=engine.max_model_len)
+        return ModelCard(id=model_id, created=started, max_model_len=planner.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
-        return ModelList(data=[card(name) for name in engine.model_ids]).model_dump(mode="json")
+        return ModelList(data=[card(name) for name in planner.model_ids]).model_dump(mode="json")
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
     async def model(model_id: str) -> dict:
-        return card(engine.check_model(model_id)).model_dump(mode="json")
+        return card(planner.check_model(model_id)).model_dump(mode="json")
 
     @app.post("/tokenize", **_documented((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse))
     async def tokenize(request: Request) -> dict:
@@ -213,29 +213,29 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
 
         def run() -> dict:
             req = parse(TokenizeChatRequest if _has_key(body, "messages") else TokenizeCompletionRequest, body)
-            engine.check_model(req.model)
+            planner.check_model(req.model)
             if isinstance(req, TokenizeChatRequest):
-                ids = engine.chat_prompt(req)
+                ids = planner.chat_prompt(req)
             else:
-                ids = engine.tokenize_text(req.prompt, req.add_special_tokens is not False)
-            return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len).model_dump()
+                ids = planner.tokenize_text(req.prompt, req.add_special_tokens is not False)
+            return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=planner.max_model_len).model_dump()
 
         return await run_in_threadpool(run)
 
     @app.post("/detokenize", **_documented(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(request: Request) -> dict:
         req = parse(DetokenizeRequest, await read_body(request))
-        engine.check_model(req.model)
-        return DetokenizeResponse(prompt=engine.detokenize(req.tokens)).model_dump()
+        planner.check_model(req.model)
+        return DetokenizeResponse(prompt=planner.detokenize(req.tokens)).model_dump()
 
     @app.post("/v1/completions", **_documented(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:
-        return await _generate(request, "completions", CompletionRequest, engine.plan_completion,
+        return await _generate(request, "completions", CompletionRequest, planner.plan_completion,
                                CompletionShape)
 
     @app.post("/v1/chat/completions", **_documented(ChatRequest, ChatCompletion))
     async def chat_completions(request: Request) -> Response:
-        return await _generate(request, "chat", ChatRequest, engine.plan_chat, ChatShape)
+        return await _generate(request, "chat", ChatRequest, planner.plan_chat, ChatShape)
 
     # -- the one generation path -------------------------------------------
 
@@ -249,7 +249,7 @@ def build_app(engine: "Engine", lane: EngineLoop, metrics: Metrics, options: "Se
         except QueueFull as e:
             raise APIError(503, str(e), type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        shape = shape_cls(plan, engine.tokenizer, plan.model)
+        shape = shape_cls(plan, planner.tokenizer, plan.model)
         headers = {"x-pagedlm-paged-kv": "1" if plan.paged else "0"}
         if plan.stream:
             return StreamingResponse(_stream(request, endpoint, job, shape), headers=headers,

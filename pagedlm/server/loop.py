@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
     from pagedlm.batch.sequence import Sequence
 
-    from .engine import Plan
+    from .planner import Plan
     from .metrics import Metrics
 
 log = logging.getLogger("pagedlm.server")
@@ -127,11 +127,7 @@ class EngineLoop:
     def depth(self) -> int:
         """Sequences waiting to be admitted (not counting cancelled submissions)."""
         inbox = sum(len(job.plan.prompts) for job in list(self._inbox) if not job.cancelled)
-        return inbox + len(self.engine.scheduler.waiting)
-
-    @property
-    def running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return inbox + self.engine.num_waiting()
 
     def submit(self, plan: "Plan") -> Job:
         """Queue ``plan`` for the engine; raise `APIError` (400) for a request
@@ -229,7 +225,7 @@ class EngineLoop:
         if job in self._jobs:
             self._jobs.remove(job)
             if self.metrics is not None:
-                self.metrics.observe_request(job)
+                self.metrics.observe_request(job.created, job.seqs)
             lengths = [s.num_prompt for s in job.seqs] or [0]
             log.info("request: %d sequence(s), prompt tokens min %d / max %d / total %d, %d generated, %s",
                      len(job.seqs), min(lengths), max(lengths), sum(lengths),

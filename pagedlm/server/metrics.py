@@ -22,9 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from pagedlm.batch.engine import LLMEngine
-
-    from .loop import EngineLoop, Job
+    from pagedlm.batch.engine import CacheStats, LLMEngine
+    from pagedlm.batch.sequence import Sequence
 
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("ok", "cancelled", "invalid", "unauthorized", "rejected", "error")
@@ -59,10 +58,10 @@ def _safe(read: Callable[[], float]) -> float:
 
 
 class _StateCollector(Collector):
-    """Values owned by the engine, read at scrape time."""
+    """Values owned by the engine (and the engine loop's queue), read at scrape time."""
 
-    def __init__(self, engine: "LLMEngine", loop: "EngineLoop", model_name: str) -> None:
-        self.engine, self.loop, self.model_name = engine, loop, model_name
+    def __init__(self, engine: "LLMEngine", queue_depth: Callable[[], int], model_name: str) -> None:
+        self.engine, self.queue_depth, self.model_name = engine, queue_depth, model_name
 
     def collect(self) -> Iterable:
         engine = self.engine
@@ -73,44 +72,47 @@ class _StateCollector(Collector):
         fraction.add_metric([self.model_name], _safe(lambda: _kv_fraction(engine)))
         yield fraction
         yield GaugeMetricFamily("pagedlm_queue_depth", "Sequences waiting to be admitted",
-                                value=_safe(lambda: self.loop.depth))
+                                value=_safe(self.queue_depth))
         yield GaugeMetricFamily("pagedlm_running", "Sequences running in the engine",
-                                value=_safe(lambda: self.loop.running))
+                                value=_safe(engine.num_running))
         yield CounterMetricFamily("pagedlm_preemptions", "Sequences preempted for KV room (recomputed later)",
                                   value=engine.num_preemptions)
         usage = _safe_usage(engine)
+        # One snapshot of the caches' counters per scrape: plain counts, safe to
+        # read while the engine thread steps.
+        caches = engine.cache_stats()
         kv = GaugeMetricFamily(
             "pagedlm_kv_bytes", "Bytes of KV cache by holder: running (held by running sequences), live_tokens "
             "(the part of it holding tokens they attend to), prompt_cache (default store: " + PROMPT_CACHE_BOUND + ")",
             labels=["holder"])
         kv.add_metric(["running"], usage[0])
         kv.add_metric(["live_tokens"], usage[1])
-        pc = engine.prompt_cache
-        kv.add_metric(["prompt_cache"], pc.nbytes if pc is not None else 0)
+        kv.add_metric(["prompt_cache"], caches.prompt_cache_bytes)
         yield kv
         yield GaugeMetricFamily("pagedlm_kv_budget_bytes", "The one KV budget: the paged pool, or on the default "
                                 "store the bound on running sequences' reservations plus the prompt cache",
-                                value=engine.kv_budget_bytes)
-        if pc is not None:
+                                value=caches.kv_budget_bytes)
+        if caches.prompt_cache_entries is not None:
             yield GaugeMetricFamily("pagedlm_prompt_cache_entries", "Entries in the prompt cache (" +
-                                    PROMPT_CACHE_BOUND + ")", value=len(pc))
+                                    PROMPT_CACHE_BOUND + ")", value=caches.prompt_cache_entries)
             yield CounterMetricFamily("pagedlm_prompt_cache_hits", "Prompt-cache lookups that reused a prefix",
-                                      value=pc.hits)
+                                      value=caches.prompt_cache_hits)
             yield CounterMetricFamily("pagedlm_prompt_cache_misses",
-                                      "Prompt-cache lookups that found nothing to reuse", value=pc.misses)
-        if engine.blocks is not None:
+                                      "Prompt-cache lookups that found nothing to reuse",
+                                      value=caches.prompt_cache_misses)
+        if caches.blocks_total is not None:
             yield GaugeMetricFamily("pagedlm_paged_kv_blocks_in_use", "KV blocks held by live sequences",
-                                    value=engine.blocks.num_used)
+                                    value=caches.blocks_used)
             yield GaugeMetricFamily("pagedlm_paged_kv_blocks_free", "Free KV blocks in the shared pool",
-                                    value=engine.blocks.num_free)
-        if engine.blocks is not None and engine.blocks.caching:
-            yield from _prefix_cache(engine.blocks)
+                                    value=caches.blocks_free)
+        if caches.blocks_total is not None and caches.prefix_caching:
+            yield from _prefix_cache(caches)
 
 
-def _prefix_cache(blocks) -> Iterable:
+def _prefix_cache(caches: "CacheStats") -> Iterable:
     """Prefix caching on the paged store: how much of the admitted tokens came
     from cached blocks, and how many blocks are cached and shared."""
-    queried, hit = blocks.queried_tokens, blocks.hit_tokens
+    queried, hit = caches.prefix_queried_tokens, caches.prefix_hit_tokens
     yield CounterMetricFamily("pagedlm_prefix_cache_queried_tokens",
                               "Tokens of sequences admitted with prefix caching (recomputes included)", value=queried)
     yield CounterMetricFamily("pagedlm_prefix_cache_hit_tokens",
@@ -119,9 +121,9 @@ def _prefix_cache(blocks) -> Iterable:
                             value=hit / queried if queried else 0.0)
     yield GaugeMetricFamily("pagedlm_paged_kv_blocks_cached",
                             "KV blocks findable by prefix hash (in use or free, until evicted)",
-                            value=_safe(lambda: blocks.num_cached))
+                            value=caches.blocks_cached)
     yield GaugeMetricFamily("pagedlm_paged_kv_blocks_shared", "KV blocks held by more than one sequence",
-                            value=_safe(lambda: blocks.num_shared))
+                            value=caches.blocks_shared)
 
 
 def _kv_fraction(engine: "LLMEngine") -> float:
@@ -183,23 +185,25 @@ class Metrics:
         for reason in FINISH_REASONS:
             self.finished.labels(reason, model_name)
 
-    def bind(self, engine: "LLMEngine", loop: "EngineLoop") -> None:
-        """Export the state gauges of ``engine`` and its ``loop``."""
-        self.registry.register(_StateCollector(engine, loop, self.model_name))
+    def bind(self, engine: "LLMEngine", queue_depth: Callable[[], int]) -> None:
+        """Export the state gauges of ``engine``; ``queue_depth()``: sequences
+        waiting to be admitted (the engine loop's ``depth``, its inbox included)."""
+        self.registry.register(_StateCollector(engine, queue_depth, self.model_name))
 
-    def observe_request(self, job: "Job") -> None:
-        """Count a job that ends (finished, cancelled or failed): its tokens,
-        and per sequence its times, sizes and finish reason."""
+    def observe_request(self, created: float, seqs: list["Sequence"]) -> None:
+        """Count a request that ends (finished, cancelled or failed), which
+        arrived at ``created`` (``time.perf_counter``): its tokens, and per
+        sequence its times, sizes and finish reason."""
         now = time.perf_counter()
-        self.prompt_tokens.inc(sum(s.num_prompt for s in job.seqs))
-        self.generation_tokens.inc(sum(len(s.output_ids) for s in job.seqs))
-        for seq in job.seqs:
+        self.prompt_tokens.inc(sum(s.num_prompt for s in seqs))
+        self.generation_tokens.inc(sum(len(s.output_ids) for s in seqs))
+        for seq in seqs:
             reason = seq.finish_reason if seq.finish_reason in FINISH_REASONS else "abort"
             self.finished.labels(reason, self.model_name).inc()
             if seq.first_token_at is None:  # never got a token: no times to tell
                 continue
-            self.e2e.observe(now - job.created)
-            self.queue_time.observe(seq.first_scheduled - job.created)
+            self.e2e.observe(now - created)
+            self.queue_time.observe(seq.first_scheduled - created)
             self.prefill_time.observe(seq.first_token_at - seq.first_scheduled)
             self.decode_time.observe(now - seq.first_token_at)
             self.request_prompt_tokens.observe(seq.num_prompt)

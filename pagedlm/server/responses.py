@@ -12,8 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedlm.generate import GenerationResponse
-
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -34,9 +32,10 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
+    from pagedlm.batch.engine import GenerationResponse
     from pagedlm.tokenizer import Tokenizer
 
-    from .engine import Plan
+    from .planner import Plan
 
 # (token id, its logprob or None for a first prompt token, top-k [(id, logprob)] or None)
 Item = tuple[int, float | None, list[tuple[int, float]] | None]

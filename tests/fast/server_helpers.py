@@ -8,9 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.options import EngineOptions, ServerOptions
 from pagedlm.server.app import build_app
-from pagedlm.server.engine import Engine
 from pagedlm.server.loop import EngineLoop
 from pagedlm.server.metrics import Metrics
+from pagedlm.server.planner import Planner
 
 MAX_MODEL_LEN = 64
 
@@ -18,17 +18,21 @@ MAX_MODEL_LEN = 64
 def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX_MODEL_LEN,
              kv_budget_bytes=None, **server):
     """The app and its planner, as `pagedlm.server.run` wires them; ``server``:
-    more `ServerOptions` fields (served_model_name, seed, chat_template, CORS)."""
-    llm = LLMEngine(model, tokenizer, EngineOptions(paged_kv=paged_kv, max_model_len=max_model_len,
-                                                    kv_budget_bytes=kv_budget_bytes,
-                                                    prompt_cache_bytes=0 if paged_kv else 1 << 24))
+    more `ServerOptions` fields (served_model_name, seed, chat_template, CORS).
+    The app's engine loop is ``app.state.engine_loop``: ``close()`` it to
+    stop its thread (`pagedlm.server.run` does as the server stops)."""
+    engine = LLMEngine(model, tokenizer, EngineOptions(paged_kv=paged_kv, max_model_len=max_model_len,
+                                                       kv_budget_bytes=kv_budget_bytes,
+                                                       prompt_cache_bytes=0 if paged_kv else 1 << 24))
     options = ServerOptions(model="tiny", api_key=api_key, **server)
     metrics = Metrics(model_name=options.model_names[0])
-    lane = EngineLoop(llm, max_queue=4, metrics=metrics)
-    engine = Engine(llm, list(options.model_names), default_seed=options.seed,
-                    chat_template=options.chat_template)
-    metrics.bind(llm, lane)
-    return build_app(engine, lane, metrics, options), engine
+    lane = EngineLoop(engine, max_queue=4, metrics=metrics)
+    planner = Planner(engine, list(options.model_names), default_seed=options.seed,
+                      chat_template=options.chat_template)
+    metrics.bind(engine, lambda: lane.depth)
+    app = build_app(planner, lane, metrics, options)
+    app.state.engine_loop = lane
+    return app, planner
 
 
 def metric(client, name: str, **labels: str) -> float:

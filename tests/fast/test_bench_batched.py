@@ -67,7 +67,7 @@ def test_throughput_against_hf_same_weights(tiny, capsys):
 
 
 def test_unfuse_inverts_fuse():
-    from pagedlm.bench.throughput import unfuse
+    from pagedlm.bench.common import unfuse
     from pagedlm.models import build_model
     from pagedlm.models.layers import fuse_projections
 
@@ -201,7 +201,8 @@ def test_decode_step_bytes_are_what_the_products_read(tiny, tied, tmp_path):
     """Weights a batch-1 step reads: every float weight, except an untied
     embedding (a lookup reads a row); quantized, the kernels' buffers only
     (not a tied embedding's row copy)."""
-    from pagedlm.bench.decode import bytes_per_decode_step, load_random
+    from pagedlm.bench.common import load_random
+    from pagedlm.bench.decode import bytes_per_decode_step
     from pagedlm.loading.quant import quantize_model, quantizable
     from pagedlm.models.layers import Embedding
 
@@ -228,27 +229,41 @@ def test_throughput_quantized_row_beside_its_float_store(tiny, capsys):
 def test_a_default_store_row_drops_the_paged_backend():
     """`--attention-backend triton` is refused without paging: a bench's
     default-store row must not carry it (nor 8-bit KV) over."""
-    from pagedlm.bench.decode import default_store
+    from pagedlm.bench.common import default_store
     from pagedlm.options import EngineOptions, PagedKvOptions
 
     options = EngineOptions(paged_kv=PagedKvOptions(16), attention_backend="triton", kv_quant="int8", max_num_seqs=3)
     assert default_store(options) == EngineOptions(max_num_seqs=3)
 
 
-def test_the_throughput_and_memory_benches_run_exactly_the_options_given():
+@pytest.mark.parametrize("bench", ["throughput", "memory"])
+def test_the_throughput_and_memory_benches_run_exactly_the_options_given(tiny, capsys, monkeypatch, bench):
     """`bench throughput/memory --attention-backend torch --enforce-eager` used
     to rebuild the engine from a few keywords and run `auto` (the kernels on
-    CUDA): the `LLM` a bench builds must hold every option it was given."""
-    from pagedlm.bench.throughput import make_llm
-    from pagedlm.options import EngineOptions, PagedKvOptions
+    CUDA): every engine a bench builds holds the options it was given, and
+    its rows name the backend that ran."""
+    from pagedlm.batch.engine import LLMEngine
 
-    from tests.conftest import CharTokenizer, tiny_model
+    built = []
+    init = LLMEngine.__init__
 
-    options = EngineOptions(paged_kv=PagedKvOptions(16, prefix_caching=False), attention_backend="torch",
-                            enforce_eager=True, max_num_seqs=3, max_num_batched_tokens=64,
-                            kv_budget_bytes=1 << 22, max_model_len=128, long_prefill_token_threshold=8)
-    llm = make_llm(tiny_model("llama"), CharTokenizer(), options)
-    assert llm.engine.options == options
+    def recording(self, model, tokenizer, options=None):
+        init(self, model, tokenizer, options)
+        built.append(options)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording)
+    sizes = {"throughput": ["--num-prompts", "3", "--min-len", "4", "--max-len", "8"],
+             "memory": ["--long-len", "40", "--short-len", "8", "--num-long", "1", "--num-short", "3",
+                        "--max-tokens", "2"]}[bench]
+    argv = ["bench", bench, "--model", tiny, "--random-weights", "--device", "cpu", *sizes, "--paged-kv",
+            "--paged-kv-block-size", "16", "--no-prefix-caching", "--attention-backend", "torch",
+            "--enforce-eager", "--long-prefill-token-threshold", "8", "--kv-budget-bytes", "4M", "--json"]
+    assert main(argv) == 0
+    rows = [r for r in _rows(capsys) if r["store"] == "paged"]
+    assert rows and all(r["attention_backend"] == "torch" for r in rows)
+    paged = [o for o in built if o.paged_kv is not None]
+    assert paged and all(o.attention_backend == "torch" and o.enforce_eager and o.long_prefill_token_threshold == 8
+                         and o.paged_kv.prefix_caching is False for o in paged)
 
 
 def test_contention_rows_on_both_stores(tiny, capsys):

@@ -12,7 +12,7 @@ import pytest
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.options import EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
-from tests.conftest import CharTokenizer, tiny_model
+from tests.helpers import CharTokenizer, tiny_model
 
 STORES = {"default": {}, "paged": {"paged_kv": PagedKvOptions(block_size=4), "kv_budget_bytes": 1 << 22}}
 BUDGET = 32  # tokens per step: a quarter (8) is the default long-prefill cap
@@ -131,8 +131,9 @@ def test_live_kv_and_cached_prefixes_stay_inside_one_budget_over_a_soak(family, 
     (admission evicts cached prefixes to make room)."""
     model, tok = tiny_model(family), CharTokenizer()
     opts = dict(max_num_batched_tokens=128, prompt_cache_bytes=1 << 30)
-    one = LLMEngine(model, tok, EngineOptions(**opts)).scheduler.projected_bytes(264 + 8)
+    one = LLMEngine(model, tok, EngineOptions(**opts)).admission.projected_bytes(264 + 8)
     engine = LLMEngine(model, tok, EngineOptions(**opts, kv_budget_bytes=2 * one))
+    budget = engine.cache_stats().kv_budget_bytes
     rng = random.Random(7)
     shared = ids(264, seed=8)  # past one 256-token growth step: a trimmed entry must shrink
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -143,17 +144,17 @@ def test_live_kv_and_cached_prefixes_stay_inside_one_budget_over_a_soak(family, 
         seqs += engine.add_request(prompt, params)
         for _ in range(rng.randint(0, 3)):
             engine.step()
-            assert held_bytes(engine) <= engine.kv_budget_bytes
-            assert engine.scheduler.reserved_bytes + engine.prompt_cache.nbytes <= engine.kv_budget_bytes
+            assert held_bytes(engine) <= budget
+            assert engine.admission.reserved_bytes + engine.prompt_cache.nbytes <= budget
             peak_cache = max(peak_cache, engine.prompt_cache.nbytes)
     while engine.has_unfinished():
         engine.step()
-        assert held_bytes(engine) <= engine.kv_budget_bytes
+        assert held_bytes(engine) <= budget
     assert all(s.finish_reason == "length" for s in seqs)
     assert peak_cache > 0  # the cache was used, inside the budget
     if family == "llama":  # (Gemma's window-8 ring buffers wrap: a shorter prefix of them is gone)
         assert engine.prompt_cache.hits > 0
-    assert held_bytes(engine) == engine.prompt_cache.nbytes <= engine.kv_budget_bytes
+    assert held_bytes(engine) == engine.prompt_cache.nbytes <= budget
 
 
 def test_the_scheduling_flags_resolve_from_flags_and_environment():

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import gc
 import random
+import types
 import warnings
+import weakref
+from collections import deque
 
 import pytest
 import torch
@@ -17,45 +20,7 @@ from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.solo import Solo
 from pagedlm.options import EngineOptions, OptionError, PagedKvOptions, RequestTooLarge
 from pagedlm.params import SamplingParams
-from tests.conftest import CharTokenizer, tiny_model
-
-ATOL = 1e-4  # batched vs alone: GEMM shapes change with the batch (see test_models_vs_hf)
-
-
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def run_all(engine: LLMEngine, batch: list[list[int]], params: SamplingParams, arrive_every: int = 0,
-            check=None) -> list:
-    """Add ``batch`` (one every ``arrive_every`` steps, 0 = all at once), step to
-    the end; the finished sequences in prompt order."""
-    seqs, pending, steps = [], list(batch), 0
-    while pending or engine.has_unfinished():
-        if pending and (arrive_every == 0 or steps % arrive_every == 0):
-            for ids in pending if arrive_every == 0 else pending[:1]:
-                seqs += engine.add_request(ids, params)
-            pending = [] if arrive_every == 0 else pending[1:]
-        engine.step()
-        steps += 1
-        if check is not None:
-            check(engine)
-    return seqs
-
-
-def paged(block_size: int = 4, budget: int = 1 << 22, **kw) -> EngineOptions:
-    return EngineOptions(paged_kv=PagedKvOptions(block_size), kv_budget_bytes=budget, **kw)
-
-
-def block_bytes(model, block_size: int) -> int:
-    """Bytes of one block of the pools with prefix caching: every layer (sliding
-    ones keep a copy of their keys there), float32."""
-    spec = model.kv_spec()
-    return 2 * len(spec) * block_size * spec[0].num_kv_heads * spec[0].head_dim * 4
-
-
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+from tests.helpers import ATOL, GREEDY, CharTokenizer, Ops, block_bytes, drive, paged, prompts, run_all, tiny_model
 
 
 def test_batched_matches_alone_with_staggered_arrivals_and_chunked_prefill(tiny):
@@ -93,7 +58,7 @@ def test_paged_store_is_bit_identical_to_default_store(tiny, block_size):
     opts = dict(max_num_batched_tokens=16, max_num_seqs=4)
     default = run_all(LLMEngine(model, tok, EngineOptions(**opts)), batch, GREEDY, arrive_every=2)
     engine = LLMEngine(model, tok, paged(block_size, **opts))
-    assert engine.paged_kv and engine.blocks.block_size == block_size
+    assert engine.paged_kv and engine.layout.block_size == engine.blocks.block_size == block_size
     got = run_all(engine, batch, GREEDY, arrive_every=2)
     assert engine.num_preemptions == 0  # same schedule: the pool is big enough
     for a, b in zip(default, got):
@@ -131,42 +96,24 @@ def test_abort_frees_everything_before_the_next_step(tiny):
         assert [s for s, _ in rows] == [b]
         engine.abort(b)
         assert not engine.has_unfinished() and not engine.store.rows
-        assert engine.scheduler.reserved_bytes == 0
         if engine.blocks is not None:
             assert engine.blocks.num_free == engine.blocks.num_blocks
-
-
-class _Ops:
-    ADD, STEP, ABORT = range(3)
-
-
-def drive(engine: LLMEngine, ops, add, check) -> None:
-    """Hypothesis's operations against ``engine``: (op, add's arguments, a
-    number picking whom to abort); ``check`` after every one, then after
-    every step to the end."""
-    live = []
-    for op, args, pick in ops:
-        if op == _Ops.ADD:
-            live += add(*args)
-        elif op == _Ops.ABORT and live:
-            engine.abort(live.pop(pick % len(live)))
         else:
-            engine.step()
-        check()
-    while engine.has_unfinished():
-        engine.step()
-        check()
+            assert engine.admission.reserved_bytes == 0
+
+
+_LLAMA = tiny_model("llama")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from([_Ops.ADD, _Ops.STEP, _Ops.STEP, _Ops.ABORT]),
+@given(st.lists(st.tuples(st.sampled_from([Ops.ADD, Ops.STEP, Ops.STEP, Ops.ABORT]),
                           st.integers(1, 30), st.integers(1, 12)), min_size=5, max_size=40),
        st.sampled_from([1, 2, 4]))
 def test_block_invariants_hold_after_every_step(ops, block_size):
     """Random arrivals, finishes, aborts and (a small pool) preemptions: after
     every scheduler step each block is free or owned by exactly one live
     sequence; when all have ended, every block is free and no row is left."""
-    model, tok = _MODEL["llama"], CharTokenizer()
+    model, tok = _LLAMA, CharTokenizer()
     engine = LLMEngine(model, tok, paged(block_size, budget=block_bytes(model, block_size) * (48 // block_size),
                                           max_model_len=48, max_num_batched_tokens=16))
     rng = random.Random(0)
@@ -184,9 +131,6 @@ def test_block_invariants_hold_after_every_step(ops, block_size):
 
     drive(engine, [(op, (length, max_tokens), length) for op, length, max_tokens in ops], add, check)
     assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.store.rows
-
-
-_MODEL = {"llama": tiny_model("llama")}
 
 
 def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch(tiny):
@@ -235,7 +179,7 @@ def test_penalties_change_what_is_sampled_and_never_make_nan(tiny):
 
 
 def test_stop_ids_strings_and_length():
-    model, tok = _MODEL["llama"], CharTokenizer()
+    model, tok = _LLAMA, CharTokenizer()
     (ids,) = prompts(1, seed=12)
     free = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert free.finish_reason == "length" and len(free.output_ids) == 12
@@ -300,34 +244,82 @@ def test_a_budget_smaller_than_one_max_length_sequence_is_refused_at_startup(tin
         LLMEngine(model, tok, paged(4, budget=1 << 12))
 
 
-def test_memory_stays_flat_over_a_thousand_requests():
-    """The pool is fixed and default-store rows are freed: after 1,000
-    requests nothing is left behind, and the tensors alive after 200 requests
-    are as many as after 1,000."""
-    model, tok = _MODEL["llama"], CharTokenizer()
-    for options in (EngineOptions(max_num_seqs=32), paged(4, max_num_seqs=32)):
-        engine = LLMEngine(model, tok, options)
-        rng = random.Random(0)
-        counts = []
-        for done in range(0, 1000, 100):
-            for _ in range(100):
-                engine.add_request([rng.randrange(2, 256) for _ in range(rng.randint(1, 12))],
-                                   SamplingParams(max_tokens=rng.randint(1, 3), ignore_eos=True))
-            while engine.has_unfinished():
-                engine.step()
-            gc.collect()
-            with warnings.catch_warnings():  # isinstance on every object pokes deprecated torch attributes
-                warnings.simplefilter("ignore")
-                counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
-        assert not engine.store.rows and engine.scheduler.reserved_bytes == 0
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor)
+
+
+def held(engine: LLMEngine) -> tuple[int, int]:
+    """What the engine holds: the objects reachable from it through
+    containers and instances (not through classes, modules or functions;
+    the model's weights and the tokenizer left out) that the garbage
+    collector tracks, and the entries of those that are containers (a dict
+    keyed by sequence ids, say, that is never emptied)."""
+    seen, stack, objects, entries = {id(engine.model), id(engine.tokenizer)}, [engine], 0, 0
+    while stack:
+        o = stack.pop()
+        container = isinstance(o, (dict, list, tuple, set, deque))  # (untracked when they hold only ints)
+        if id(o) not in seen and (container or gc.is_tracked(o)):  # not ints or bytes: counters change
+            seen.add(id(o))
+            objects += 1
+            entries += len(o) if container else 0
+            if not isinstance(o, _OPAQUE):
+                stack.extend(gc.get_referents(o))
+    return objects, entries
+
+
+def live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every object pokes deprecated torch attributes
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("options", [
+    EngineOptions(max_num_seqs=8),
+    EngineOptions(paged_kv=PagedKvOptions(4, prefix_caching=False), kv_budget_bytes=1 << 22, max_num_seqs=8),
+    # a pool of 8 blocks: preemptions, and cached blocks evicted as they are needed
+    paged(4, budget=block_bytes(_LLAMA, 4) * 8, max_model_len=32, max_num_seqs=8),
+], ids=["default", "paged", "paged-caching-tight"])
+def test_memory_stays_flat_round_after_round_of_requests(options):
+    """Rounds of the same mix of requests (new tokens each round; some share
+    a prefix, some fan out to n=2, every seventh is aborted after a step,
+    queued behind 8 rows): after each round no sequence is alive, nothing
+    is left behind, and from the second round on the engine holds no more
+    objects, and the process no more tensors, than after it."""
+    engine = LLMEngine(_LLAMA, CharTokenizer(), options)
+    held_after, tensors_after = [], []
+    for round_ in range(4):
+        shapes, rng = random.Random(0), random.Random(round_ + 1)
+        prefix = [rng.randrange(2, 256) for _ in range(9)]
+        seqs = []
+        for i in range(24):
+            n = shapes.randint(1, 12)
+            ids = (prefix[:n] if i % 3 == 0 else []) + [rng.randrange(2, 256) for _ in range(n)]
+            seqs += engine.add_request(ids, SamplingParams(max_tokens=shapes.randint(1, 6), n=1 + (i % 10 == 0),
+                                                           ignore_eos=True))
+        engine.step()
+        for seq in seqs[::7]:
+            engine.abort(seq)
+        while engine.has_unfinished():
+            engine.step()
+        gone = [weakref.ref(seq) for seq in seqs]
+        del seqs, seq
+        gc.collect()
+        assert all(ref() is None for ref in gone), "a finished sequence is still referenced"
+        assert not engine.store.rows
         if engine.blocks is not None:
-            assert engine.blocks.num_free == engine.blocks.num_blocks
-        assert counts[-1] <= counts[1], counts
+            assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.blocks.tables
+        else:
+            assert engine.admission.reserved_bytes == 0
+        held_after.append(held(engine))
+        tensors_after.append(live_tensors() if round_ in (1, 3) else None)
+    (objects, entries) = held_after[1]
+    assert all(o <= objects and e <= entries for o, e in held_after[2:]), held_after
+    assert tensors_after[3] <= tensors_after[1], tensors_after
+    if engine.blocks is not None and engine.blocks.caching:
+        assert engine.num_preemptions > 0 and engine.blocks.hit_tokens > 0
 
 
 def test_the_engine_kept_for_pagedlm_generate_goes_with_its_model():
-    import weakref
-
     import pagedlm
 
     model = tiny_model("llama")
@@ -370,7 +362,7 @@ class _HoldingTokenizer(CharTokenizer):
 
 
 def test_text_held_back_is_flushed_when_a_stop_id_ends_the_sequence():
-    model, tok = _MODEL["llama"], _HoldingTokenizer()
+    model, tok = _LLAMA, _HoldingTokenizer()
     (ids,) = prompts(1, seed=16)
     free = run_all(LLMEngine(model, tok), [ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     stop = free.output_ids[3]
@@ -384,7 +376,6 @@ def test_nothing_of_a_step_outlives_it(tiny, monkeypatch):
     """After a step returns, no reference to its StepBatch is left (the
     store's per-step plan held its masks and tables until the next step:
     memory that grew or shrank with whatever step came last)."""
-    import weakref
 
     from pagedlm.batch import engine as engine_mod
 

@@ -15,7 +15,7 @@ import copy
 import torch
 
 from pagedlm.batch.solo import Solo
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 PROMPT = [3, 17, 42, 99, 5, 200, 64, 11, 128, 7]
 FLOAT16_MAX = torch.finfo(torch.float16).max

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from pagedlm.kernels import fused
-from pagedlm.kernels.paged_attention import available
 from pagedlm.models.layers import ACTIVATIONS, RMSNorm, RoPE, apply_rope
+from tests.fast.kernel_refs import requires_triton
+from tests.helpers import DEVICE
 
-pytestmark = pytest.mark.skipif(not available("cpu") and not torch.cuda.is_available(),
-                                reason="triton is not installed")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = requires_triton  # a triton that fails to import fails these (and test_paged_kernels says why)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:

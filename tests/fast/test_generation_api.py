@@ -1,5 +1,5 @@
 """Generation through the public API only (`pagedlm.stream_generate` /
-`pagedlm.generate` with `GenerateOptions`), on tiny random-weight models:
+`pagedlm.generate` with `SamplingParams`), on tiny random-weight models:
 what was reached only through real weights before. Written against the API,
 not the loop, so that they hold for any engine behind it."""
 
@@ -8,18 +8,17 @@ from __future__ import annotations
 import pytest
 
 import pagedlm
-from pagedlm import GenerateOptions
+from pagedlm import SamplingParams
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions
-
-from conftest import tiny_tokenizer
+from tests.helpers import tiny_tokenizer
 
 CHUNK = DEVICE_DEFAULTS["cpu"]["max_num_batched_tokens"]  # prompt tokens per step of a lone request
 
 
 def run(model, tokenizer, prompt, **kw):
     """(tokens, text, finish_reason, last response) of one request."""
-    steps = list(pagedlm.stream_generate(model, tokenizer, prompt, GenerateOptions(**kw)))
+    steps = list(pagedlm.stream_generate(model, tokenizer, prompt, SamplingParams(**kw)))
     tokens = [s.token for s in steps if s.token is not None]
     return tokens, "".join(s.text for s in steps), steps[-1].finish_reason, steps[-1]
 
@@ -31,7 +30,7 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 def test_prompt_logprobs_across_prefill_chunk_boundaries_match_shorter_prompts(model, tokenizer):
     ids = prompt_ids(2 * CHUNK + 40)
     steps = list(pagedlm.stream_generate(model, tokenizer, ids,
-                                         GenerateOptions(max_tokens=1, prompt_logprobs=1)))
+                                         SamplingParams(max_tokens=1, prompt_logprobs=1)))
     scored = steps[0].prompt_logprobs
     assert len(scored) == len(ids) - 1  # every prompt token after the first
     # scored[p - 1] is about ids[p] given ids[:p]; its top-1 is the top-1 of
@@ -41,7 +40,7 @@ def test_prompt_logprobs_across_prefill_chunk_boundaries_match_shorter_prompts(m
     for p in (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1):
         chosen_lp, top = scored[p - 1]
         first = list(pagedlm.stream_generate(model, tokenizer, ids[:p],
-                                             GenerateOptions(max_tokens=1, logprobs=1)))[0]
+                                             SamplingParams(max_tokens=1, logprobs=1)))[0]
         ((want_id, want_lp),) = first.logprob[1]
         assert top[0][0] == want_id, p
         assert top[0][1] == pytest.approx(want_lp, abs=1e-4), p
@@ -97,11 +96,26 @@ def test_a_cache_holding_a_prefix_is_reused_and_changes_nothing(model, tokenizer
     engine = LLMEngine(model, tokenizer, EngineOptions(prompt_cache_bytes=1 << 24))
     first = prompt_ids(40, seed=1)
     run_1 = list(pagedlm.stream_generate(model, tokenizer, first,
-                                         GenerateOptions(max_tokens=6, ignore_eos=True), engine=engine))
+                                         SamplingParams(max_tokens=6, ignore_eos=True), engine=engine))
     second = first[:30] + prompt_ids(15, seed=2)
     steps = list(pagedlm.stream_generate(model, tokenizer, second,
-                                         GenerateOptions(max_tokens=8, ignore_eos=True), engine=engine))
+                                         SamplingParams(max_tokens=8, ignore_eos=True), engine=engine))
     cold, *_ = run(model, tokenizer, second, max_tokens=8, ignore_eos=True)
     assert steps[-1].cached_tokens == 30 and steps[-1].prompt_tokens == 45
     assert [s.token for s in steps] == cold
-    assert len(run_1) == 6 and engine.prompt_cache.hits == 1
+    assert len(run_1) == 6 and engine.cache_stats().prompt_cache_hits == 1
+
+
+def test_two_requests_streamed_side_by_side_on_one_model_each_get_what_they_get_alone(model, tokenizer):
+    """Each call runs its own engine: stepping one stream never steps (and
+    drops the responses of) the other."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first, second = prompt_ids(12, seed=3), prompt_ids(9, seed=4)
+    alone = [run(model, tokenizer, p, max_tokens=6, ignore_eos=True)[:2] for p in (first, second)]
+    a, b = (pagedlm.stream_generate(model, tokenizer, p, params) for p in (first, second))
+    got = {"a": [], "b": []}
+    for name, gen in [("a", a), ("b", b)] * 8:
+        got[name] += [r for r in [next(gen, None)] if r is not None]
+    for steps, (tokens, text) in zip(got.values(), alone):
+        assert [s.token for s in steps if s.token is not None] == tokens
+        assert "".join(s.text for s in steps) == text

@@ -1,7 +1,7 @@
 """KVCache and RotatingKVCache (one sequence, one layer, token-major
 ``[tokens, H_kv, D]``): storage, masks, and attention through
-``attention.attend_row`` against a brute-force reference that keeps the whole
-history."""
+``attention.sdpa.attend_row`` against a brute-force reference that keeps the
+whole history."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlm.attention import attend_row
+from pagedlm.attention.sdpa import attend_row
 from pagedlm.cache import STEP, Cache, KVCache, RotatingKVCache
 
 H, D = 2, 8
@@ -37,9 +37,41 @@ def brute_attention(q, k, v, visible):
 # -- KVCache ---------------------------------------------------------------
 
 
-def test_caches_satisfy_the_protocol():
-    assert isinstance(KVCache(), Cache)
-    assert isinstance(RotatingKVCache(4), Cache)
+CAUSAL_3 = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+TOKEN_BYTES = 2 * H * D * 4  # keys and values of one token, float32
+
+
+@pytest.mark.parametrize("make,held", [
+    (KVCache, (STEP, STEP)),  # buffers of STEP tokens from the first update
+    (lambda: RotatingKVCache(8), (3, 8)),  # exactly the chunk, then grown to the window
+], ids=["KVCache", "RotatingKVCache"])
+def test_caches_keep_the_protocol(make, held):
+    """One script through the protocol's members only (what the store and the
+    prompt cache use), the same answers from each cache: prefill, decode,
+    trim and rewrite, dispose. ``held``: tokens the buffers hold after the
+    prefill and after the decode token."""
+    cache: Cache = make()
+    assert isinstance(cache, Cache)
+    assert (cache.offset, cache.nbytes) == (0, 0)
+    gen = torch.Generator().manual_seed(0)
+    k, v = kv(3, gen=gen)
+    assert torch.equal(cache.make_mask(3, "cpu"), CAUSAL_3)
+    k_all, v_all = cache.update_and_fetch(k, v)
+    assert torch.equal(k_all, k) and torch.equal(v_all, v)
+    assert cache.offset == 3 and cache.nbytes == held[0] * TOKEN_BYTES
+    k1, v1 = kv(1, gen=gen)
+    assert cache.make_mask(1) is None  # one query sees every fetched key
+    k_all, v_all = cache.update_and_fetch(k1, v1)
+    assert torch.equal(k_all, torch.cat([k, k1])) and torch.equal(v_all, torch.cat([v, v1]))
+    assert cache.offset == 4 and cache.nbytes == held[1] * TOKEN_BYTES
+    assert cache.is_trimmable() and cache.trim(2) == 2 and cache.offset == 2
+    k2, v2 = kv(2, gen=gen)
+    assert cache.make_mask(2).tolist() == [[True, True, True, False], [True, True, True, True]]
+    k_all, v_all = cache.update_and_fetch(k2, v2)
+    assert torch.equal(k_all, torch.cat([k[:2], k2])) and torch.equal(v_all, torch.cat([v[:2], v2]))
+    assert cache.trim(10) == 4 and cache.offset == 0  # at most what it holds
+    cache.dispose()
+    assert (cache.offset, cache.nbytes) == (0, 0)
 
 
 def test_kvcache_grows_in_steps_and_fetch_equals_concatenation():

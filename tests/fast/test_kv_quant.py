@@ -18,11 +18,10 @@ from pagedlm.batch.solo import Solo
 from pagedlm.cache import KVSpec, PagedPools
 from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels import paged_attention as pa
-from pagedlm.cache.store import token_bytes
+from pagedlm.cache.layout import token_bytes
 from pagedlm.cli import main
 from pagedlm.llm import LLM
-from tests.conftest import CharTokenizer
-from tests.fast.conftest import tiny_model as small_model
+from tests.helpers import CharTokenizer, tiny_model
 
 MODES = ["int8", "fp8"]
 
@@ -152,7 +151,7 @@ def test_token_bytes_quantize_only_the_full_attention_layers():
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_the_engine_sizes_its_pool_and_stats_from_8_bit_blocks(family):
-    model, tok = small_model(256, family), CharTokenizer()
+    model, tok = tiny_model(family, plain=True), CharTokenizer()
     budget = 1 << 20
     engines = {m: LLMEngine(model, tok, opt.EngineOptions(paged_kv=opt.PagedKvOptions(16), kv_budget_bytes=budget,
                                                           kv_quant=m, max_model_len=256)) for m in ("none", "int8")}
@@ -173,13 +172,13 @@ def test_the_engine_sizes_its_pool_and_stats_from_8_bit_blocks(family):
     usage = quant.kv_usage()
     full = [i for i, s in enumerate(model.kv_spec()) if s.window is None]
     window = [i for i, s in enumerate(model.kv_spec()) if s.window is not None]
-    n = seq.num_computed
-    want_live = sum(quant.bytes_per_token[i] for i in full) * n + sum(
-        quant.bytes_per_token[i] * min(n, model.kv_spec()[i].window) for i in window)
+    n, per_token = seq.num_computed, quant.layout.bytes_per_token
+    want_live = sum(per_token[i] for i in full) * n + sum(
+        per_token[i] * min(n, model.kv_spec()[i].window) for i in window)
     assert usage.live == want_live
     assert usage.allocated - quant.store.row_bytes(seq.seq_id) == 3 * per_block  # 40 tokens: 3 blocks of 16
     for i in full:
-        assert quant.bytes_per_token[i] == 2 * model.kv_spec()[i].num_kv_heads * (model.kv_spec()[i].head_dim + 2)
+        assert per_token[i] == 2 * model.kv_spec()[i].num_kv_heads * (model.kv_spec()[i].head_dim + 2)
 
 
 # -- numerics through the model -----------------------------------------------
@@ -212,7 +211,7 @@ def test_quantized_engine_stays_close_to_the_unquantized_one(family, mode, block
     first, and the rest until the greedy tokens part) has its chosen
     logprob and its top-3 logprobs (by rank) within the mode's bound, and
     not all equal (the 8-bit path ran)."""
-    model, tok = small_model(256, family), CharTokenizer()
+    model, tok = tiny_model(family, plain=True), CharTokenizer()
     batch = [[(7 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate([3, 21, 40, 9, 57])]
     plain = greedy_run(model, tok, "none", batch, block_size)
     quant = greedy_run(model, tok, mode, batch, block_size)
@@ -235,7 +234,7 @@ def test_quantized_engine_stays_close_to_the_unquantized_one(family, mode, block
 def test_solo_scores_through_quantized_pools_chunk_by_chunk(mode):
     """What `bench ppl` runs: a prompt chunk, then tokens one a call (decode),
     through the pools; close to the default store, not equal to it."""
-    model = small_model(256, "gemma3_text")
+    model = tiny_model("gemma3_text", plain=True)
     ids = [(5 * j) % 250 + 2 for j in range(40)]
     want = Solo(model)(ids)
     solo = Solo(model, kv_quant=mode, capacity=len(ids), block_size=8)
@@ -266,7 +265,7 @@ def test_kv_quant_without_paging_is_refused_everywhere(mode):
         opt.resolve_engine_options({"kv_quant": mode}, environ={})
     with pytest.raises(opt.UnsupportedOption, match="needs --paged-kv"):
         opt.ServerOptions.resolve({}, {"PAGEDLM_KV_QUANT": mode, "PAGEDLM_DEVICE": "cpu"})
-    model, tok = small_model(256), CharTokenizer()
+    model, tok = tiny_model(plain=True), CharTokenizer()
     with pytest.raises(opt.UnsupportedOption, match="needs --paged-kv"):
         LLM(model, tokenizer=tok, kv_quant=mode)
     with pytest.raises(opt.UnsupportedOption, match="needs --paged-kv"):

@@ -231,7 +231,12 @@ def test_one_shared_sampling_params_is_not_mutated(model, tokenizer):
 @pytest.mark.parametrize("name, ours", [("auto", "none"), ("fp8", "fp8"), ("fp8_e4m3", "fp8"), ("int8", "int8")])
 def test_kv_cache_dtype_is_vllms_spelling_of_kv_quant(model, tokenizer, name, ours):
     llm = LLM(model, tokenizer=tokenizer, kv_cache_dtype=name, **SMALL_POOL)
-    assert llm.engine.options.kv_quant == ours and llm.engine.store.pools.kv_quant == ours
+    same = LLM(model, tokenizer=tokenizer, kv_quant=ours, **SMALL_POOL)
+    assert llm.engine.options.kv_quant == ours
+    # the pools are stored in that format: 8-bit blocks are a third of float32's or less
+    assert llm.engine.cache_stats().block_bytes == same.engine.cache_stats().block_bytes
+    unquantized = LLM(model, tokenizer=tokenizer, **SMALL_POOL).engine.cache_stats().block_bytes
+    assert (3 * llm.engine.cache_stats().block_bytes <= unquantized) is (ours != "none")
 
 
 def test_kv_cache_dtype_refusals(model, tokenizer):
@@ -247,7 +252,7 @@ def test_enable_prefix_caching_is_vllms_spelling_of_prefix_caching(model, tokeni
     for on in (True, False):
         llm = LLM(model, tokenizer=tokenizer, enable_prefix_caching=on, **SMALL_POOL)
         assert llm.engine.options.paged_kv.prefix_caching is on
-        assert (llm.engine.blocks.salt is not None) is on
+        assert llm.engine.cache_stats().prefix_caching is on
     with pytest.raises(OptionError, match="give one"):
         LLM(model, tokenizer=tokenizer, enable_prefix_caching=True, prefix_caching=True, **SMALL_POOL)
     with pytest.raises(UnsupportedOption, match="needs --paged-kv"):

@@ -11,8 +11,7 @@ from safetensors.torch import save_file
 
 from pagedlm.cli import main
 from pagedlm.loading import LoadError, load
-from tests.conftest import TINY, tiny_model
-from tests.fast.conftest import byte_level
+from tests.helpers import TINY, byte_level, tiny_model
 
 JUNK = bytes(range(256)) * 8  # not UTF-8, not JSON, not a safetensors header
 

@@ -7,6 +7,8 @@ through ``sanitize`` + ``load_state_dict(strict=True)``. Then:
   (b) greedy trajectories agree token for token: ours runs incrementally on
       its caches (whole prompt, or the prompt in chunks, then one token per
       step), transformers runs ``generate(do_sample=False)``.
+The registry finds each family by the ``model_type`` transformers writes,
+and a new Llama-like family (Phi-3) is one file dropped into the package.
 
 transformers runs with attn_implementation="sdpa": the same
 ``scaled_dot_product_attention`` kernel family that ``pagedlm.attention``
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import pytest
 import torch
@@ -88,7 +91,8 @@ def hf_config(family: str):
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"]
+# model_type -> the file of pagedlm/models that serves it
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3"}
 
 
 def randomize_(model: torch.nn.Module, gemma: bool) -> None:
@@ -110,7 +114,7 @@ def randomize_(model: torch.nn.Module, gemma: bool) -> None:
                 p.normal_(0.0, 0.3)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request, tmp_path_factory):
     """(transformers model, our model) with the same weights, both float32."""
     family = request.param
@@ -197,27 +201,29 @@ def test_bfloat16_logits_bit_identical_to_transformers(pair):
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@torch.no_grad()
-def test_greedy_trajectory_matches_transformers_generate(pair, case):
-    family, hf, ours = pair
+def assert_greedy_matches(hf, ours, case: str) -> None:
+    """Ours, decoding ``CASES[case]`` incrementally, picks the tokens of
+    transformers' ``generate``; every step's logits match transformers'
+    one-shot forward over the same sequence, and the picks had clear
+    margins, so token equality is not luck on a near-tie."""
     prompt, chunks = CASES[case]
     ids = torch.tensor([prompt])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                       do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected = out[0, len(prompt) :].tolist()
-
     tokens, logits = run_ours(ours, prompt, chunks, NEW_TOKENS)
-    assert tokens == expected
-
-    # Every incremental step's logits also match transformers' one-shot
-    # forward over the same sequence, and the greedy picks had clear margins,
-    # so token equality above is not luck on a near-tie.
+    assert tokens == out[0, len(prompt) :].tolist()
     reference = hf(out[:, :-1]).logits[0]
     torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0)
     top2 = reference[len(prompt) - 1 :].topk(2, dim=-1).values
     margin = (top2[:, 0] - top2[:, 1]).min()
     assert margin > 2 * ATOL, f"near-tie ({margin:.2e}) in the test weights: pick another seed"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.no_grad()
+def test_greedy_trajectory_matches_transformers_generate(pair, case):
+    family, hf, ours = pair
+    assert_greedy_matches(hf, ours, case)
 
 
 @torch.no_grad()
@@ -306,3 +312,75 @@ def test_config_spellings_give_transformers_rope_frequencies():
                            rotary.full_attention_inv_freq)
         assert torch.equal(rope_inv_freq(args.head_dim, args.rope_local_base_freq, args.rope_local_scaling),
                            rotary.sliding_attention_inv_freq)
+
+
+def test_each_family_is_found_by_model_type_and_an_unknown_one_refused_by_name():
+    """The registry holds exactly the families checked above against
+    transformers, each served by its own file for the config.json
+    transformers writes; a model_type no file serves is refused by name."""
+    from pagedlm import models
+
+    assert sorted(models.FAMILIES) == sorted(FAMILIES)
+    for model_type, file in FAMILIES.items():
+        assert type(build_model(hf_config(model_type).to_dict())).__module__ == f"pagedlm.models.{file}"
+    phi3 = transformers.Phi3Config(**COMMON, num_hidden_layers=1).to_dict()
+    with pytest.raises(ValueError, match=r"model_type 'phi3' \(supported: gemma3_text, llama, mistral, qwen2, qwen3\)"):
+        build_model(phi3)
+
+
+# All that a new Llama-like family writes (``models.base``): Phi-3, which
+# transformers has and pagedlm does not, and which took 4-6 files before.
+PHI3_FILE = '''"""Phi-3: the Llama decoder (its checkpoints store q/k/v and gate/up
+fused already) with a sliding window on every layer if config.json sets one."""
+
+from dataclasses import dataclass
+
+from pagedlm.models import llama
+
+MODEL_TYPES = ("phi3",)
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window
+
+
+class Model(llama.Model):
+    args_class = ModelArgs
+'''
+
+
+@pytest.fixture
+def phi3_file(tmp_path, monkeypatch):
+    """PHI3_FILE as a file of pagedlm/models (in a second folder of the
+    package), found as the package finds its families; gone after the test."""
+    from pagedlm import models
+
+    (tmp_path / "phi3.py").write_text(PHI3_FILE)
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path)])
+    monkeypatch.setattr(models, "FAMILIES", models.find_families())
+    yield
+    del sys.modules["pagedlm.models.phi3"], models.phi3
+
+
+@torch.no_grad()
+def test_a_new_llama_like_family_is_one_file(phi3_file, tmp_path):
+    """With that one file and nothing else edited, the loader takes a
+    transformers Phi-3 checkpoint (its own config.json and fused tensors),
+    and the model matches transformers: logits, sliding window, greedy
+    decoding over the window."""
+    from pagedlm.loading import load_model
+
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=WINDOW)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    randomize_(hf, gemma=False)
+    hf.eval()
+    hf.save_pretrained(tmp_path / "phi3-tiny")
+    ours = load_model(tmp_path / "phi3-tiny")
+    assert type(ours).__module__ == "pagedlm.models.phi3"
+    assert [s.window for s in ours.kv_spec()] == [WINDOW, WINDOW]
+    ids = torch.tensor([[(11 * i + 5) % VOCAB for i in range(40)]])
+    torch.testing.assert_close(Solo(ours)(ids[0]), hf(ids).logits[0], atol=ATOL, rtol=0)
+    assert_greedy_matches(hf, ours, "mixed-chunks")

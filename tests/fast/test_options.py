@@ -1,7 +1,6 @@
 import pytest
 
 from pagedlm import options as opt
-from pagedlm.params import GenerateOptions
 from pagedlm.cli import main
 
 
@@ -41,35 +40,6 @@ def test_bad_env_value_is_an_option_error():
 def test_block_size_without_paging_is_refused():
     with pytest.raises(opt.UnsupportedOption, match="needs --paged-kv"):
         opt.resolve_paged_kv(None, "16", {})
-
-
-@pytest.mark.parametrize(
-    "field,value",
-    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-     ("min_p", 2.0), ("repetition_penalty", 0.0), ("logprobs", 21)],
-)
-def test_generate_options_validate_names_the_bad_field(field, value):
-    options = GenerateOptions(**{field: value})
-    with pytest.raises(opt.OptionError, match=field):
-        options.validate()
-
-
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
-@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
-def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
-    with pytest.raises(opt.OptionError, match=f"^{field} must be a finite number"):
-        GenerateOptions(**{field: value}).validate()
-
-
-@pytest.mark.parametrize("tiny", [1e-40, 1e-45, 1e-300, 5e-324, 9.9e-6])
-def test_a_temperature_too_small_to_divide_by_is_greedy(tiny):
-    options = GenerateOptions(temperature=tiny).validate()
-    assert options.temperature == 0.0
-
-
-def test_a_small_but_usable_temperature_is_kept():
-    options = GenerateOptions(temperature=1e-5).validate()
-    assert options.temperature == 1e-5
 
 
 def test_server_options_flag_beats_env_beats_default():

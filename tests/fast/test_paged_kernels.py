@@ -1,4 +1,5 @@
-"""The Triton paged kernels against their float64 references.
+"""The Triton paged kernels against their float64 references, and the
+engine on them against the torch backend.
 
 On a machine without CUDA they run under ``TRITON_INTERPRET=1`` (set by
 tests/conftest.py) at small sizes; tests/gpu runs them at full size in bf16.
@@ -12,37 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedlm.batch.engine import LLMEngine
 from pagedlm.kernels import paged_attention as pa
-from tests.conftest import CharTokenizer, tiny_model
+from pagedlm.params import SamplingParams
+from tests.fast.kernel_refs import paged_decode_reference, requires_triton, write_kv_reference
+from tests.helpers import DEVICE, WINDOW, CharTokenizer, paged, paged_inputs, prompts, rel_err, run_all, tiny_model
 
-pytestmark = pytest.mark.skipif(not pa.available("cpu") and not torch.cuda.is_available(),
-                                reason="triton is not installed")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = requires_triton
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=0, spare_blocks=3):
-    """Pools with every block random (stale slots included), rows given
-    shuffled, non-contiguous blocks, tables padded with -1."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(need) + spare_blocks
-    shape = (num_blocks, block_size, hkv, d)
-    k_pool = torch.randn(shape, generator=g).to(dtype)
-    v_pool = torch.randn(shape, generator=g).to(dtype)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(need) + 1
-    tables = torch.full((len(lengths), width), -1, dtype=torch.long)
-    for r, n in enumerate(need):
-        tables[r, :n] = torch.tensor([order.pop() for _ in range(n)])
-    q = torch.randn(len(lengths), hq, d, generator=g).to(dtype)
-    seq_lens = torch.tensor(lengths)
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-    return to(q), to(k_pool), to(v_pool), to(tables), to(seq_lens)
+def test_triton_imports_where_the_test_extra_installs_it():
+    """The test extra installs triton on Linux: a broken install fails here
+    (every other kernel test would fail too, but this one says why)."""
+    assert pa.triton is not None, "triton is in the test extra but does not import"
+    assert pa.available(DEVICE), f"the kernels cannot run on {DEVICE} (TRITON_INTERPRET unset without CUDA?)"
 
 
 @pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [
@@ -59,7 +44,7 @@ def test_decode_matches_float64_reference(block_size, lengths, hq, hkv, d, dtype
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, dtype)
     scale = d ** -0.5
     out = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, scale)
-    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, scale)
+    ref = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, scale)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -69,8 +54,8 @@ def test_decode_sliding_window_skips_old_keys(window):
     lengths = [700, 260, 4]
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 4, 1, 64, torch.float32, seed=window)
     out = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, window=window)
-    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window=window)
-    full = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)
+    ref = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window=window)
+    full = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)
     assert rel_err(out, ref) < 1e-5
     assert rel_err(out[:2], full[:2]) > 1e-2  # the window really changed the long rows
 
@@ -85,7 +70,7 @@ def test_decode_row_ignores_neighbours_table_width_and_program_count(window):
     wide = torch.cat([tables, torch.full((3, 500), -1, device=tables.device)], dim=1)
     padded = pa.paged_decode(q, k_pool, v_pool, wide, seq_lens, 0.125, window)
     alone = pa.paged_decode(q[2:], k_pool, v_pool, tables[2:, :21], seq_lens[2:], 0.125, window)
-    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window)
+    ref = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window)
     assert rel_err(together, ref) < 1e-5  # 17 splits for the long row
     assert torch.equal(together, padded)
     assert torch.equal(together[2:], alone)
@@ -105,7 +90,7 @@ def test_write_kv_fills_exactly_the_mapped_slots(dtype):
     keys, values = fused[:, H : 2 * H], torch.randn(T, H, D, generator=g).to(dtype).to(DEVICE)
     slots = torch.tensor([5, 17, 95, -1, 0, 40, 41, -1, 63], device=DEVICE)
     want_k, want_v = k_pool.clone(), v_pool.clone()
-    pa.write_kv_reference(keys, values, want_k, want_v, slots)
+    write_kv_reference(keys, values, want_k, want_v, slots)
     pa.write_kv(keys, values, k_pool, v_pool, slots)
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
     flat = k_pool.view(-1, H, D)
@@ -114,8 +99,9 @@ def test_write_kv_fills_exactly_the_mapped_slots(dtype):
 
 def test_engine_with_kernels_matches_the_torch_path(tiny):
     """The whole engine on the kernels (sliding layers paged and bounded in
-    the kernel; decode rows in place; prompt chunks beside them) against the
-    torch path: the same greedy tokens, logprobs within 1e-4 (float32)."""
+    the kernel; decode rows in place, beside prompt chunks and alone; a
+    prefix from cached blocks) against the torch backend: the same greedy
+    tokens, logprobs within 1e-4 (float32)."""
     assert_kernels_match_torch_path(*tiny[1:], "none")
 
 
@@ -127,23 +113,43 @@ def test_engine_with_kernels_on_int8_blocks_matches_the_torch_path():
     assert_kernels_match_torch_path(tiny_model("llama"), CharTokenizer(), "int8")
 
 
-def assert_kernels_match_torch_path(model, tok, kv_quant):
-    from pagedlm.batch.engine import LLMEngine
-    from tests.fast.test_engine import GREEDY, paged, prompts, run_all
+FEW = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3)  # interpreted kernels: few steps
 
-    shared = list(range(2, 30))  # three full blocks of 8 that the later prompt finds cached
-    batch = prompts(3, seed=11, lo=2, hi=20) + [shared + [40, 41], shared + [50]]
+
+def assert_kernels_match_torch_path(model, tok, kv_quant):
+    shared = list(range(2, 26))  # three full blocks of 8 that the later prompt finds cached
+    batch = prompts(1, seed=11, lo=5, hi=5) + [shared + [40, 41], shared + list(range(50, 56))]
     opts = dict(max_num_batched_tokens=16, max_num_seqs=4, kv_quant=kv_quant)
-    want = run_all(LLMEngine(model, tok, paged(8, attention_backend="torch", **opts)), batch, GREEDY,
-                   arrive_every=2)
+    want = run_all(LLMEngine(model, tok, paged(8, attention_backend="torch", **opts)), batch, FEW, arrive_every=1)
     engine = LLMEngine(model, tok, paged(8, attention_backend="triton", **opts))
-    assert engine.kernels and engine.store.paged_layers == frozenset(range(len(engine.specs)))
-    got = run_all(engine, batch, GREEDY, arrive_every=2)
-    assert max(len(s.prompt_ids) + len(s.output_ids) for s in got) > 16  # past tiny Gemma's window
-    assert engine.blocks.hit_tokens >= 24  # the shared prefix was read from cached blocks
+    layout = engine.store.layout
+    assert engine.attention_backend == "triton" and layout.in_place
+    assert layout.paged_layers == frozenset(range(len(layout.specs)))
+    queries = record_queries(engine)
+    got = run_all(engine, batch, FEW, arrive_every=1)
+    # What the run went through: one-query rows beside a prompt chunk (the
+    # plan's decode tables), steps of one-query rows alone (the kernel on
+    # the step's own tables), rows past the window, a prefix from the cache.
+    assert any(q.count(1) >= 2 and max(q) > 1 for q in queries), queries
+    assert any(len(q) >= 2 and max(q) == 1 for q in queries), queries
+    assert max(len(s.prompt_ids) + len(s.output_ids) for s in got) > 2 * WINDOW
+    assert engine.cache_stats().prefix_hit_tokens >= 24
     for a, b in zip(want, got):
         assert a.output_ids == b.output_ids
         assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+
+
+def record_queries(engine: LLMEngine) -> list[list[int]]:
+    """Each step's queries per row, as the engine's scheduler hands them out."""
+    queries, schedule = [], engine.scheduler.schedule
+
+    def recorded():
+        rows = schedule()
+        queries.append([n for _, n in rows])
+        return rows
+
+    engine.scheduler.schedule = recorded
+    return queries
 
 
 def quantized_pools(k_pool, v_pool, mode):
@@ -168,9 +174,9 @@ def test_decode_reads_int8_blocks_in_registers(block_size, lengths, hq, hkv, d):
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, torch.float32, seed=5)
     (kc, ks, k_deq), (vc, vs, v_deq) = quantized_pools(k_pool, v_pool, "int8")
     out = pa.paged_decode(q, kc, vc, tables, seq_lens, d**-0.5, scales=(ks, vs))
-    ref = pa.paged_decode_reference(q, k_deq, v_deq, tables, seq_lens, d**-0.5)
+    ref = paged_decode_reference(q, k_deq, v_deq, tables, seq_lens, d**-0.5)
     assert rel_err(out, ref) < 1e-5
-    exact = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, d**-0.5)
+    exact = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, d**-0.5)
     assert 1e-5 < rel_err(out, exact) < 2e-2  # int8 noise, not nothing and not garbage
 
 
@@ -202,7 +208,8 @@ def test_write_kv_quantizes_as_the_reference_does():
     slots = torch.tensor([3, 17, 40, -1, 0, 63, 20], device=DEVICE)
     pools = [kvq.zeros((blocks, bs, H, D), order, torch.int8, DEVICE) for order in (kvq.KEY_ORDER, kvq.VALUE_ORDER)]
     scales = [kvq.zeros((blocks, bs, H), kvq.SCALE_ORDER, kvq.SCALE_DTYPE, DEVICE) for _ in range(2)]
-    pa.write_kv(keys, values, pools[0], pools[1], slots, (scales[0], scales[1]), kvq.QMAX["int8"])
+    pa.write_kv(keys, values, pools[0], pools[1], slots, (scales[0], scales[1]), fmt="int8",
+                qmax=kvq.QMAX["int8"])
     keep = slots >= 0
     at = (slots[keep] // bs, slots[keep] % bs)
     for x, pool, scale in ((keys, pools[0], scales[0]), (values, pools[1], scales[1])):
@@ -211,3 +218,13 @@ def test_write_kv_quantizes_as_the_reference_does():
         assert torch.equal(scale[at], s)
         assert int(pool.ne(0).sum()) == int(codes.ne(0).sum())  # nothing written anywhere else
     assert pools[0][2, 8].eq(0).all() and scales[0][2, 8].eq(1).all()  # slot 40: the all-zero token
+
+
+def test_write_kv_refuses_a_format_that_disagrees_with_its_scales():
+    keys, slots = torch.ones(2, 1, 16, device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    pool = torch.zeros(1, 4, 1, 16, dtype=torch.int8, device=DEVICE)
+    scales = (torch.zeros(1, 4, 1, device=DEVICE), torch.zeros(1, 4, 1, device=DEVICE))
+    for kwargs in (dict(scales=scales), dict(fmt="int8", qmax=127.0), dict(scales=scales, fmt="int4", qmax=7.0)):
+        with pytest.raises(ValueError, match="format"):
+            pa.write_kv(keys, keys, pool, pool, slots, **kwargs)
+    assert not pool.any()

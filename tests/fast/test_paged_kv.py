@@ -14,10 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlm.batch.block_manager import BlockManager
+from pagedlm.attention import select_backend
 from pagedlm.batch.step import prepare_step
 from pagedlm.cache import KVSpec, KVStore, PagedPools
 from pagedlm.cache import kv_quant as kvq
+from pagedlm.cache.blocks import BlockManager
+from pagedlm.cache.layout import plan_layout
+from pagedlm.options import EngineOptions, PagedKvOptions
 
 HKV, HQ, D = 2, 4, 8  # GQA: two query heads per kv head
 CPU = torch.device("cpu")
@@ -203,6 +206,8 @@ def corrupt(kind: str) -> tuple[BlockManager, set[int]]:
         return bm, {1}
     elif kind == "stale_hash":
         bm.cached[b"x" * 16] = bm.tables[1][0]
+    elif kind == "dead_pending":  # a block promised by a sequence that has ended
+        bm.pending[b"y" * 16] = 3
     return bm, {1, 2}
 
 
@@ -213,6 +218,7 @@ def corrupt(kind: str) -> tuple[BlockManager, set[int]]:
     ("twice", "holds a block twice"),
     ("dead_owner", "not live"),
     ("stale_hash", "hash map out of step"),
+    ("dead_pending", "pending or committed for a sequence that is not live"),
 ])
 def test_check_raises_on_a_corrupted_state(kind, message):
     bm, live = corrupt(kind)
@@ -308,6 +314,19 @@ SPECS = [KVSpec(HKV, D), KVSpec(HKV, D, window=WINDOW), KVSpec(HKV, D)]
 PAGED_LAYERS = [0, 2]
 
 
+def store(pool: PagedPools | None = None) -> KVStore:
+    """A store over ``SPECS`` on the torch backend: the default one, or the
+    paged one over ``pool`` (in the layout ``plan_layout`` gives it)."""
+    paging = PagedKvOptions(pool.block_size, prefix_caching=False) if pool is not None else None
+    options = EngineOptions(paged_kv=paging, kv_budget_bytes=pool.nbytes if pool is not None else 1 << 20,
+                            kv_quant=pool.kv_quant if pool is not None else "none")
+    layout = plan_layout(SPECS, options, CPU, pool.dtype if pool is not None else torch.float32, in_place=False,
+                         identity="test", max_model_len=pool.block_size if pool is not None else 1)
+    assert layout.pooled_layers == (tuple(pool.layers) if pool is not None else ())
+    assert layout.num_blocks == (pool.num_blocks if pool is not None else 0)
+    return KVStore(layout, pool, select_backend("torch", CPU, paged=pool is not None))
+
+
 def brute_force(q, k, v, start: int, window: int | None) -> torch.Tensor:
     """float64 attention of queries at positions start.. over the row's whole
     history k/v [S, Hkv, D]: causal, and 0 <= p - j < window on local layers."""
@@ -351,8 +370,8 @@ def assert_schedule_matches_default_and_reference(schedule, block_size: int, num
     bit (``kv_quant`` none), and both equal to brute force over each row's
     history (8-bit pools: over the round trip of its keys on paged layers)."""
     gen = torch.Generator().manual_seed(seed)
-    default = KVStore(SPECS)
-    paged = KVStore(SPECS, pools(PAGED_LAYERS, num_blocks, block_size, dtype, kv_quant))
+    default = store()
+    paged = store(pools(PAGED_LAYERS, num_blocks, block_size, dtype, kv_quant))
     bm = BlockManager(num_blocks, block_size)
     # A free list in shuffled order, as after many frees: tables are not
     # ascending, so a gather that ignored the table order would show.
@@ -371,8 +390,8 @@ def assert_schedule_matches_default_and_reference(schedule, block_size: int, num
         elif kind in ("finish", "preempt"):
             s = seqs[event[1]]
             bm.free(s.seq_id)
-            for store in (default, paged):
-                for c in store.pop_row(s.seq_id):
+            for kv in (default, paged):
+                for c in kv.pop_row(s.seq_id):
                     if c is not None:
                         c.dispose()
             if kind == "finish":
@@ -440,11 +459,11 @@ def test_quantized_paged_store_attends_over_exactly_the_round_trip_of_each_rows_
 
 
 def test_store_windowed_layer_stays_per_row_in_both_stores():
-    paged = KVStore(SPECS, pools(PAGED_LAYERS, 4, 4))
+    paged = store(pools(PAGED_LAYERS, 4, 4))
     paged.add_row(0)
     kinds = [type(c).__name__ if c is not None else None for c in paged.rows[0]]
     assert kinds == [None, "RotatingKVCache", None]
-    default = KVStore(SPECS)
+    default = store()
     default.add_row(0)
     assert [type(c).__name__ for c in default.rows[0]] == ["KVCache", "RotatingKVCache", "KVCache"]
 

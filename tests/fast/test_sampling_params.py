@@ -17,7 +17,7 @@ from pagedlm.loading import gguf as conv
 from pagedlm.options import OptionError
 from pagedlm.params import SamplingParams
 from pagedlm.tokenizer import Tokenizer
-from tests.conftest import VOCAB, CharTokenizer, tiny_model
+from tests.helpers import VOCAB, CharTokenizer, tiny_model
 
 MODEL = tiny_model("llama")
 PROMPT = [ord(c) for c in "hello world"]
@@ -188,6 +188,9 @@ def test_the_default_max_tokens_is_vllms():
 
 
 @pytest.mark.parametrize("fields,name", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logprobs=21), "logprobs"),
     (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=4, min_tokens=5), "min_tokens"),
     (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={5: float("inf")}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias=[5]), "logit_bias"),
@@ -199,6 +202,22 @@ def test_the_default_max_tokens_is_vllms():
 def test_validate_names_the_bad_field_first(fields, name):
     with pytest.raises(OptionError, match=f"^{name} must"):
         SamplingParams(**fields).validate()
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(OptionError, match=f"^{field} must be a finite number"):
+        SamplingParams(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("tiny", [1e-40, 1e-45, 1e-300, 5e-324, 9.9e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny):
+    assert SamplingParams(temperature=tiny).validate().temperature == 0.0
+
+
+def test_a_small_but_usable_temperature_is_kept():
+    assert SamplingParams(temperature=1e-5).validate().temperature == 1e-5
 
 
 @pytest.mark.parametrize("name", ["logit_bias", "allowed_token_ids"])

@@ -5,15 +5,22 @@ examples per operation; a 64-token context keeps every generation short."""
 
 from __future__ import annotations
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from conftest import tiny_model, tiny_tokenizer
 from tests.fast.server_helpers import make_app
 
-_tokenizer = tiny_tokenizer()
-APP, _ = make_app(tiny_model(_tokenizer.vocab_size), _tokenizer, max_model_len=64)
-schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
+
+@pytest.fixture(scope="module")
+def fuzzed_schema(model, tokenizer):
+    """The app's schema, over an engine loop started for this module and stopped after it."""
+    app, _ = make_app(model, tokenizer, max_model_len=64)
+    yield schemathesis.openapi.from_asgi("/openapi.json", app)
+    app.state.engine_loop.close()
+
+
+schema = schemathesis.pytest.from_fixture("fuzzed_schema")
 
 
 def assert_openai_shaped_error(response) -> None:

@@ -16,7 +16,7 @@ from tokenizers.processors import TemplateProcessing
 
 from pagedlm.loading import gguf as conv
 from pagedlm.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
-from tests.fast.conftest import byte_level
+from tests.helpers import byte_level
 
 SMOLLM_TEMPLATE = (  # tokenizer.chat_template of the SmolLM2 GGUF
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

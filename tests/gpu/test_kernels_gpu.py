@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagedlm.kernels import paged_attention as pa
-from tests.fast.test_paged_kernels import paged_inputs, rel_err
+from tests.fast.kernel_refs import paged_decode_reference, write_kv_reference
+from tests.helpers import paged_inputs, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +30,7 @@ def test_decode_full_size(shape, block_size, dtype):
     lengths = [1, 511, 512, 513, 4097, 8191, 300, 2000]
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=block_size)
     out = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5, window)
-    ref = pa.paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, d**-0.5, window)
+    ref = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, d**-0.5, window)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-2
 
@@ -56,7 +57,7 @@ def test_write_kv_full_size():
     values = torch.randn_like(keys)
     slots = torch.randperm(4096 * 16, device="cuda", generator=g)[:8192]
     want_k, want_v = pool_k.clone(), pool_v.clone()
-    pa.write_kv_reference(keys, values, want_k, want_v, slots)
+    write_kv_reference(keys, values, want_k, want_v, slots)
     pa.write_kv(keys, values, pool_k, pool_v, slots)
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
 
@@ -71,8 +72,8 @@ def test_decode_reads_8bit_blocks_full_size(mode):
     out = pa.paged_decode(q, kc, vc, tables, seq_lens, d**-0.5, scales=(ks, vs))
     flat = [t.contiguous() for t in (kc, vc, ks, vs)]  # the same codes token-major: the same bits
     assert torch.equal(pa.paged_decode(q, flat[0], flat[1], tables, seq_lens, d**-0.5, scales=(flat[2], flat[3])), out)
-    ref = pa.paged_decode_reference(q, kvq.dequantize(kc, ks, torch.bfloat16), kvq.dequantize(vc, vs, torch.bfloat16),
-                                    tables, seq_lens, d**-0.5)
+    ref = paged_decode_reference(q, kvq.dequantize(kc, ks, torch.bfloat16), kvq.dequantize(vc, vs, torch.bfloat16),
+                                 tables, seq_lens, d**-0.5)
     assert rel_err(out, ref) < 1e-2
 
 
@@ -86,7 +87,7 @@ def test_write_kv_quantizes_as_the_reference_full_size(mode):
     slots = torch.randperm(1024 * 16, device="cuda", generator=g)[:4096]
     pools = [kvq.zeros((1024, 16, 8, 128), order, kvq.STORAGE[mode], "cuda") for order in (kvq.KEY_ORDER, kvq.VALUE_ORDER)]
     scales = [kvq.zeros((1024, 16, 8), kvq.SCALE_ORDER, kvq.SCALE_DTYPE, "cuda") for _ in range(2)]
-    pa.write_kv(keys, values, pools[0], pools[1], slots, tuple(scales), kvq.QMAX[mode])
+    pa.write_kv(keys, values, pools[0], pools[1], slots, tuple(scales), fmt=mode, qmax=kvq.QMAX[mode])
     at = (slots // 16, slots % 16)
     for x, pool, scale in ((keys, pools[0], scales[0]), (values, pools[1], scales[1])):
         codes, s = kvq.quantize(x, mode)

@@ -9,7 +9,7 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.options import OptionError
-from tests.conftest import CharTokenizer, tiny_model
+from tests.helpers import CharTokenizer, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,8 +22,9 @@ def test_gpu_memory_utilization_is_a_share_of_the_whole_gpu_less_what_the_proces
     _, total = torch.cuda.mem_get_info()
     held = torch.cuda.memory_allocated()
     llm = LLM(model, tokenizer=CharTokenizer(), gpu_memory_utilization=0.1, paged_kv=True)
-    assert llm.engine.kv_budget_bytes == int(total * 0.1) - held
-    assert 0.9 * llm.engine.kv_budget_bytes < llm.engine.store.pools.nbytes <= llm.engine.kv_budget_bytes
+    stats = llm.engine.cache_stats()
+    assert stats.kv_budget_bytes == int(total * 0.1) - held
+    assert 0.9 * stats.kv_budget_bytes < stats.blocks_total * stats.block_bytes <= stats.kv_budget_bytes
     (out,) = llm.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
     del llm, out

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedlm.bench.decode import load_random
+from pagedlm.bench.common import load_random
 from pagedlm.kernels.quant import QuantizedWeight, dequantize, quantize
 from pagedlm.llm import LLM
 from pagedlm.loading.quant import quantize_model

@@ -63,7 +63,7 @@ def test_only_full_attention_layers_are_paged(loaded):
               max_model_len=MAX_MODEL_LEN)
     specs = model.kv_spec()
     store = llm.engine.store
-    assert store.paged_layers == {i for i, s in enumerate(specs) if s.window is None}
+    assert llm.engine.layout.paged_layers == {i for i, s in enumerate(specs) if s.window is None}
     store.add_row(-1)
     row = store.pop_row(-1)
     assert [c is None for c in row] == [s.window is None for s in specs]

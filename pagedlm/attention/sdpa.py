@@ -1,4 +1,5 @@
-"""One attention entry point for every model and store: ``attend_row``."""
+"""The SDPA calls every torch attention path ends in: ``attend_row`` (one
+sequence's queries) and ``attend_rows`` (one query per sequence)."""
 
 from __future__ import annotations
 

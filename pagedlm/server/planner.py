@@ -56,23 +56,25 @@ class Plan:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: top k, answered in its shape
 
 
-class Engine:
-    """Request planning over an `LLMEngine` (it reads the model's limits, it runs nothing).
+class Planner:
+    """Checks, tokenizes and plans requests for an `LLMEngine`: it reads the
+    engine's limits (context length, vocabulary, whether a request could ever
+    fit its KV budget) and runs nothing.
 
     ``model_ids``: the names clients may send as ``model`` (the first is
     reported by default); ``default_seed`` seeds requests that give none;
     ``chat_template`` replaces the model's (a request's own wins)."""
 
-    def __init__(self, llm: "LLMEngine", model_ids: str | list[str], *, default_seed: int | None = None,
+    def __init__(self, engine: "LLMEngine", model_ids: str | list[str], *, default_seed: int | None = None,
                  chat_template: str | None = None) -> None:
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.model_ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
         self.model_id = self.model_ids[0]
         self.default_seed, self.chat_template = default_seed, chat_template
-        self.max_model_len = llm.max_model_len
-        self.paged = llm.paged
-        self.vocab_size = getattr(llm.model.args, "vocab_size", None) or self.tokenizer.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.paged = engine.paged_kv
+        self.vocab_size = engine.vocab_size
 
     # -- planning (event loop) -------------------------------------------
 
@@ -209,7 +211,7 @@ class Engine:
             budget = max_tokens if max_tokens is not None else min(room, default_max or room)
             params = self._validated(dataclasses.replace(options, max_tokens=budget, n=n), rename or {})
             try:
-                self.llm.scheduler.check_fits(len(ids), budget)
+                self.engine.check_fits(len(ids), budget)
             except OptionError as e:
                 raise APIError(400, str(e), param=max_param, code="kv_budget_exceeded") from None
             # OpenAI's choice order: prompt by prompt, n each

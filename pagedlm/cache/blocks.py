@@ -9,8 +9,8 @@ With prefix caching (a ``salt``), a block is shared, vLLM-style:
 - every full block a sequence has computed gets a hash: of its parent
   block's hash (the salt for the first block) and its own token ids. The
   salt names whatever else changes a block's keys (the model, its dtype,
-  later a KV quantization mode). blake2b, not Python's ``hash``: a collision
-  would hand one request another's keys;
+  its KV quantization: ``cache.layout``). blake2b, not Python's
+  ``hash``: a collision would hand one request another's keys;
 - a block is referenced by every sequence whose table holds it (``ref``); a
   new sequence takes the longest run of cached blocks that starts its
   tokens (``lookup``) instead of computing it;
@@ -26,7 +26,7 @@ With prefix caching (a ``salt``), a block is shared, vLLM-style:
 
 Invariant, checked by ``check``: a block is free (ref 0, on the free list)
 or referenced by exactly the live sequences whose tables hold it; the hash
-map and the blocks' hashes agree.
+map and the blocks' hashes agree; only live sequences have blocks pending.
 """
 
 from __future__ import annotations
@@ -34,10 +34,20 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .sequence import Sequence
+
+class Tokens(Protocol):
+    """What the block manager reads of a sequence (``batch.sequence.Sequence``)."""
+
+    seq_id: int
+    block_hashes: list[bytes]  # its full blocks' hash chain, extended by ``hashes``
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
@@ -87,7 +97,7 @@ class BlockManager:
 
     # -- prefix lookup ------------------------------------------------------
 
-    def hashes(self, seq: "Sequence") -> list[bytes]:
+    def hashes(self, seq: Tokens) -> list[bytes]:
         """The hash chain of the sequence's full blocks (extended as it grows)."""
         chain, bs, tokens = seq.block_hashes, self.block_size, None
         while (len(chain) + 1) * bs <= seq.num_tokens:
@@ -96,7 +106,7 @@ class BlockManager:
             chain.append(block_hash(chain[-1] if chain else self.salt, tokens[i * bs : (i + 1) * bs]))
         return chain
 
-    def lookup(self, seq: "Sequence") -> tuple[list[int], bool]:
+    def lookup(self, seq: Tokens) -> tuple[list[int], bool]:
         """The cached blocks that start the sequence's tokens, and whether the
         block after them is being computed by another sequence (worth waiting for)."""
         if not self.caching:
@@ -119,7 +129,7 @@ class BlockManager:
         copy = 1 if num_computed % self.block_size else 0
         return revived + self.blocks_for(num_tokens) - len(hit) + copy
 
-    def admit(self, seq: "Sequence", hit: list[int], num_computed: int) -> None:
+    def admit(self, seq: Tokens, hit: list[int], num_computed: int) -> None:
         """Give ``seq`` the cached blocks ``hit`` (covering its first
         ``num_computed`` tokens), and mark the full blocks it will compute pending."""
         for block in hit:
@@ -160,7 +170,7 @@ class BlockManager:
         self.tables[seq_id] = table
         return copies
 
-    def commit(self, seq: "Sequence", num_computed: int) -> None:
+    def commit(self, seq: Tokens, num_computed: int) -> None:
         """Hash the blocks that ``num_computed`` tokens have filled, making
         them findable. A block whose hash is already cached elsewhere (two
         sequences computed the same prefix) stays private."""
@@ -216,7 +226,8 @@ class BlockManager:
 
     def check(self, live: set[int]) -> None:
         """Raise AssertionError unless each block is free or referenced by
-        exactly the live sequences whose tables hold it."""
+        exactly the live sequences whose tables hold it, and nothing is
+        kept for a sequence that is not live."""
         holders = [0] * self.num_blocks
         for seq_id, table in self.tables.items():
             assert seq_id in live, f"sequence {seq_id} holds blocks but is not live"
@@ -228,3 +239,5 @@ class BlockManager:
                 f"block {block}: ref {self.ref[block]}, in {holders[block]} tables"
             assert (block in self.free_blocks) == (holders[block] == 0), f"block {block}: free list wrong"
         assert {h: b for b, h in enumerate(self.hash_of) if h is not None} == self.cached, "hash map out of step"
+        assert set(self.pending.values()) | set(self._committed) | set(self._promised) <= live, \
+            "blocks pending or committed for a sequence that is not live"

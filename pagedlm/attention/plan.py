@@ -1,0 +1,61 @@
+"""What every layer of one step shares: ``StepPlan``.
+
+A backend builds one per step (when its first layer attends) and drops it
+in ``end_step``; its tensors are built on first use, so a backend pays only
+for what it reads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedlm.cache.kv import causal_mask
+from pagedlm.cache.step import StepBatch
+
+
+class StepPlan:
+    """Which rows decode (one query) and which prefill, and their masks, built once."""
+
+    def __init__(self, step: StepBatch, device) -> None:
+        self.step, self.device = step, device
+        bounds = step.query_start_host
+        n_rows = len(step.seq_ids)
+        self.decode = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] == 1)
+        self.prefill = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] > 1)
+        self.decode_tokens = torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=device)
+        self.decode_lens = tuple(step.seq_lens_host[r] for r in self.decode)
+        self._masks: dict = {}
+
+    @functools.cached_property
+    def decode_tables(self) -> torch.Tensor:
+        """The decode rows' block tables (paged layers)."""
+        return self.step.block_tables.index_select(0, self._decode_rows)
+
+    @functools.cached_property
+    def decode_seq_lens(self) -> torch.Tensor:
+        """The decode rows' lengths, on the device (the kernels read them there)."""
+        return self.step.seq_lens.index_select(0, self._decode_rows)
+
+    @functools.cached_property
+    def _decode_rows(self) -> torch.Tensor:
+        return torch.tensor(self.decode, dtype=torch.long, device=self.step.seq_lens.device)
+
+    def causal(self, row: int, n: int, seq_len: int, window: int | None = None) -> torch.Tensor:
+        """A prompt chunk's causal mask (bounded by a sliding ``window``),
+        once per step for every paged layer."""
+        key = ("causal", row, window)
+        if key not in self._masks:
+            self._masks[key] = causal_mask(n, seq_len - n, self.device, window)
+        return self._masks[key]
+
+    def padding(self, lengths: tuple[int, ...]) -> torch.Tensor | None:
+        """Key-padding mask ``[rows, max(lengths)]``; None when no row is padded."""
+        longest = max(lengths)
+        if all(n == longest for n in lengths):
+            return None
+        if lengths not in self._masks:
+            lens = torch.tensor(lengths, device=self.device)
+            self._masks[lengths] = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
+        return self._masks[lengths]

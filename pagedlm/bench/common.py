@@ -1,0 +1,161 @@
+"""What the benches share: the model a bench runs (``load_for_bench``: real
+weights, or random ones of a config's shape), the engine configurations
+they compare (``default_store``, ``paged_configs``, ``fastest_config``),
+and transformers' model on the same weights (``hf_model``).
+
+Each bench module imports from here and from no other bench module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .. import options as opt
+from ..loading import load, resolve
+from ..loading.quant import quantize_model
+from ..models import build_model
+from ..models.layers import FUSED_PROJECTIONS
+
+# -- the model -------------------------------------------------------------------
+
+
+class _SyntheticTokenizer:
+    """For random weights: fixed pseudo-random prompt ids, no end-of-sequence,
+    no text. Speed does not depend on what the tokens say."""
+
+    eos_token_ids: set[int] = set()
+    special_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, self.vocab_size, (len(text),), generator=g).tolist()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def detokenizer(self, skip_special_tokens: bool = True):
+        return self
+
+    def add_token(self, token: int) -> str:
+        return ""
+
+    def finalize(self) -> str:
+        return ""
+
+
+def load_random(folder: str, device: str, dtype: torch.dtype):
+    """A model with random weights from a folder's config.json: matrices
+    normal(0, 0.02), vectors (norm weights, biases) normal(0, 1) so that a
+    greedy trajectory wanders instead of repeating one token."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise opt.OptionError(f"--random-weights needs a folder with a config.json (got {folder!r})")
+    config = json.loads(path.read_text())
+    with torch.device(device):
+        model = build_model(config).to(dtype).eval()
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02 if p.dim() >= 2 else 1.0, generator=g)
+    return model, _SyntheticTokenizer(config["vocab_size"])
+
+
+def load_for_bench(args, quantization: str | None = None):
+    """``(model, tokenizer, device, dtype, spec)`` for a bench's ``--model``,
+    ``--device``, ``--dtype``, ``--random-weights`` and ``--quantization``
+    (``quantization`` overrides the flag; random weights are quantized after
+    they are drawn)."""
+    device = opt.resolve_device(args.device)
+    dtype = opt.resolve_dtype(args.dtype, device)
+    spec = args.model or opt.DEFAULT_MODEL
+    if quantization is None:
+        quantization = opt.resolve_quantization(getattr(args, "quantization", None))
+    if args.random_weights:
+        model, tokenizer = load_random(spec, device, dtype)
+        if quantization != "none":
+            quantize_model(model, quantization)
+    else:
+        model, tokenizer = load(spec, device, dtype, quantization=quantization)
+    return model, tokenizer, device, dtype, spec
+
+
+# -- the engine configurations a bench compares -------------------------------------
+
+
+def default_store(engine_options: opt.EngineOptions) -> opt.EngineOptions:
+    """The default-store row of a bench: no paging (so no paged attention
+    backend and no KV quantization), everything else as asked."""
+    return dataclasses.replace(engine_options, paged_kv=None, attention_backend="auto", kv_quant="none")
+
+
+def paged_configs(engine_options: opt.EngineOptions, device: str) -> dict[str, opt.EngineOptions]:
+    """The paged configurations a bench compares: on CUDA with the backend
+    left to ``auto``, the gather path and the in-place kernels side by side
+    ("paged-gather", "paged-fused"); else the one asked for ("paged")."""
+    if engine_options.paged_kv is None:
+        return {}
+    if engine_options.attention_backend == "auto" and device.startswith("cuda"):
+        return {"paged-gather": dataclasses.replace(engine_options, attention_backend="torch"),
+                "paged-fused": dataclasses.replace(engine_options, attention_backend="triton")}
+    return {"paged": engine_options}
+
+
+def fastest_config(engine_options: opt.EngineOptions, device: str) -> opt.EngineOptions:
+    """Where a bench's quantized-weights row runs: the fastest store asked
+    for (the last of ``paged_configs``, else the default store), with
+    unquantized KV, so that it differs from that row by the weights alone."""
+    unquantized = dataclasses.replace(engine_options, kv_quant="none")
+    return [default_store(engine_options), *paged_configs(unquantized, device).values()][-1]
+
+
+# -- transformers on the same weights ----------------------------------------------
+
+
+def unfuse(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """Our state dict under Hugging Face's names: split the fused q/k/v and
+    gate/up projections (``models/layers.py::FUSED_PROJECTIONS``) back apart."""
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    sizes = {"self_attn.qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+             "mlp.gate_up_proj": [config["intermediate_size"]] * 2}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        for fused, parts in FUSED_PROJECTIONS.items():
+            marker = f".{fused}."
+            if marker in key:
+                prefix, suffix = key.split(marker)
+                for part, piece in zip(parts, torch.split(tensor, sizes[fused], dim=0)):
+                    out[f"{prefix}.{part}.{suffix}"] = piece.contiguous()
+                break
+        else:
+            out[key] = tensor
+    return out
+
+
+def hf_model(spec: str, random_weights: bool, ours_model, device: str, dtype: torch.dtype):
+    """transformers' model on the same weights: the same folder, or for
+    ``--random-weights`` the same config with our tensors copied in."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # an optional dependency (--against hf)
+
+    if not random_weights:
+        return AutoModelForCausalLM.from_pretrained(resolve(spec), dtype=dtype).to(device).eval()
+    config_dict = json.loads((Path(spec) / "config.json").read_text())
+    config = AutoConfig.from_pretrained(spec)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = unfuse({k: v for k, v in ours_model.state_dict().items()}, config_dict)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config_dict.get("tie_word_embeddings"))]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not map onto transformers' model: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    if config_dict.get("tie_word_embeddings"):
+        hf.tie_weights()
+    return hf.eval()
