@@ -6,7 +6,7 @@
 #   throughput`), this tree against the pagedlm package under BASELINE (a `git
 #   archive` of the commit before the reshaping), interleaved, in the same call.
 # Usage (repository root, GPU machine): OUT=... BASELINE=.ab bash benchmarks/gpu_seams_session.sh
-# (TESTS=0 skips tests/gpu; ROUNDS sets the pairs of each bench.)
+# (TESTS=0 skips tests/gpu; ROUNDS sets the pairs of each bench; SHAPES the decode shapes.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ for round in $(seq "${ROUNDS:-2}"); do
   for tree in now baseline; do
     path=.; [ $tree = now ] || path=${BASELINE:-}
     [ -n "$path" ] || continue
-    for cfg in qwen3-0.6b gemma3-270m; do
+    for cfg in ${SHAPES:-qwen3-0.6b gemma3-270m}; do
       run $tree "$path" decode.jsonl decode --random-weights --model $M/$cfg --device cuda --prompt-len 512 \
         --gen-len 128 --repeats 3 --paged-kv --attention-backend triton
     done
