@@ -19,8 +19,6 @@ from typing import Callable, Mapping
 
 import torch
 
-from pagedlm.cache.kv_quant import KV_QUANT_MODES
-from pagedlm.kernels.quant import MODES
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_BLOCK_SIZE = 16  # vLLM's: a row wastes under 16 tokens (99% of KV bytes live on the 256-prompt workload)
@@ -31,7 +29,8 @@ PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
 PREFIX_CACHING_ENV = "PAGEDLM_PREFIX_CACHING"
 PAGED_FLAGS = ("paged_kv", "paged_kv_block_size", "prefix_caching")  # resolved by resolve_paged_kv
 QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
-QUANTIZATIONS = MODES  # none, int8, int4
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only formats (kernels.quant)
+KV_QUANT_MODES = ("none", "int8", "fp8")  # KV block formats (cache.kv_quant)
 DEFAULT_QUANTIZATION = "none"
 # Attention over the paged pools: "torch" gathers a row's blocks and calls
 # SDPA (any device); "triton" reads the blocks in place (kernels.paged_attention)

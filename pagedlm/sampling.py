@@ -43,7 +43,7 @@ rest to -inf, never the best), and top-p always keeps the best token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
 
@@ -51,8 +51,21 @@ from pagedlm.options import OptionError
 from pagedlm.params import SamplingParams, check_token_ids
 
 if TYPE_CHECKING:
-    from pagedlm.batch.sequence import Sequence
+    from pagedlm.structured import RowMatcher
     from pagedlm.tokenizer import Tokenizer
+
+
+class Sequence(Protocol):
+    """What the sampler reads of a row (``batch.sequence.Sequence`` is one)."""
+
+    params: SamplingParams
+    rules: "TokenRules | None"
+    generator: torch.Generator | None
+    output_ids: list[int]
+    matcher: "RowMatcher | None"
+
+    @property
+    def tokens(self) -> list[int]: ...
 
 
 class TokenRules:

@@ -25,7 +25,6 @@ import torch
 
 from .. import options as opt
 from ..batch.engine import LLMEngine
-from ..cache.kv_quant import KV_QUANT_MODES
 from ..cache.layout import kv_bytes
 from ..loading.catalog import BUILTINS
 from ..models.layers import Embedding
@@ -226,7 +225,7 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     return 0
 
 
-KV_QUANT_ROWS = tuple(f"paged-{m}" for m in KV_QUANT_MODES if m != "none")
+KV_QUANT_ROWS = tuple(f"paged-{m}" for m in opt.KV_QUANT_MODES if m != "none")
 
 
 def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roofline: dict | None) -> None:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import torch
 
-KV_QUANT_MODES = ("none", "int8", "fp8")
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # e4m3fn's largest finite value is 448
 SCALE_DTYPE = torch.bfloat16

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MODES = ("none", "int8", "int4")
+from pagedlm.options import QUANTIZATIONS
+
 GROUP_SIZE = 32  # int4 group; GGUF Q4_K / Q4_1 use 32-weight blocks too
 CPU_GEMM_ROWS = 64  # int8 on the CPU: from this many rows (a prompt chunk) dequantize + MKL's GEMM
 _PACK_CHUNK = 8192  # rows unpacked at a time when laying int4 out for a kernel
@@ -87,7 +88,7 @@ def quantize(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         scale = bfloat16_ceil(torch.where(scale > 0, scale, torch.ones_like(scale)))
         q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         return {"qweight": q, "scales": scale}
-    raise ValueError(f"unknown quantization mode {mode!r} (expected one of {', '.join(MODES)})")
+    raise ValueError(f"unknown quantization mode {mode!r} (expected one of {', '.join(QUANTIZATIONS)})")
 
 
 def stored_mode(tensors: dict[str, torch.Tensor]) -> str:

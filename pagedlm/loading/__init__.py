@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .catalog import DEFAULT_MODEL, LoadError, ModelNotFound, error_detail, list_models, resolve
+from .catalog import DEFAULT_MODEL, list_models, resolve
+from .errors import LoadError, ModelNotFound, error_detail
 from .hf import load_model
 
 __all__ = ["load", "resolve", "list_models", "load_model", "ModelNotFound", "LoadError", "DEFAULT_MODEL"]

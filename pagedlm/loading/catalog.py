@@ -17,27 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-CONVERTER_VERSION = 1  # bump when conversion output changes, so stale caches are redone
 from pagedlm.options import DEFAULT_MODEL
 
+from .errors import LoadError, ModelNotFound, error_detail
 
-class ModelNotFound(Exception):
-    """A model spec that names nothing loadable; the message says what to do."""
-
-
-class LoadError(ModelNotFound):
-    """A model file that is there but cannot be loaded (not a GGUF, truncated,
-    an unsupported architecture), or a conversion cache that cannot be written.
-    One line naming the file and the problem."""
-
-
+CONVERTER_VERSION = 1  # bump when conversion output changes, so stale caches are redone
 # What reading a broken or foreign file raises (gguf-py, numpy, our converter).
 _BAD_FILE_ERRORS = (ValueError, KeyError, IndexError, EOFError, OverflowError)
-
-
-def error_detail(e: BaseException) -> str:
-    """The first line of an exception's message (its type's name if it has none)."""
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def cache_dir() -> Path:

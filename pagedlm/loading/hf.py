@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from safetensors import SafetensorError, safe_open
 
-from .catalog import LoadError, error_detail
+from .errors import LoadError, error_detail
 
 # Fields that are counts or sizes: a positive int where config.json gives one.
 _SIZES = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",

@@ -51,7 +51,8 @@ from safetensors import safe_open
 
 from pagedlm.kernels.quant import ALIGN, GROUP_SIZE, QuantizedWeight, int4_fits, pack_int4, quantize
 
-from .catalog import LoadError, cache_dir, converted_from
+from .catalog import cache_dir, converted_from
+from .errors import LoadError
 from .hf import build_meta, check_loaded, fill, open_weights, read_config, weight_files
 
 QUANT_VERSION = 3  # bump when the stored format or its derivation changes, so stale files are redone
