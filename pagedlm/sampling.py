@@ -28,7 +28,9 @@ token (`Tokenizer.special_token_ids`: control tokens such as ``<bos>``,
 an end-of-sequence token is banned, because a model never writes it in text
 (sampled at a temperature it would print markup, or vanish from the text).
 A request lifts the ban for the tokens it names: in ``allowed_token_ids``,
-with a positive ``logit_bias``, or in ``stop_token_ids``. (vLLM bans
+with a positive ``logit_bias``, or in ``stop_token_ids``; a constrained
+request's grammar decides about control tokens (llguidance allows one only
+where the grammar names it). (vLLM bans
 nothing; its text skips such tokens, ours does too.)
 
 The greedy rows of a step share one argmax, checked against each row's
@@ -142,7 +144,7 @@ def bad_words_ids(words: Iterable[str], tokenizer: "Tokenizer") -> list[tuple[in
 
 def _asks_rules(params: SamplingParams) -> bool:
     return bool(params.logit_bias or params.allowed_token_ids or params.bad_words or params.min_tokens
-                or params.stop_token_ids)
+                or params.stop_token_ids or params.structured_outputs is not None)
 
 
 def token_rules(params: SamplingParams, tokenizer: "Tokenizer", vocab_size: int,
@@ -157,7 +159,10 @@ def token_rules(params: SamplingParams, tokenizer: "Tokenizer", vocab_size: int,
     named = (set(params.allowed_token_ids or ()) | set(params.stop_token_ids)
              | {i for i, b in (params.logit_bias or {}).items() if b > 0})
     words = bad_words_ids(params.bad_words or (), tokenizer)
-    banned = (set(tokenizer.special_token_ids) - eos - named) | {w[0] for w in words if len(w) == 1}
+    specials = set(tokenizer.special_token_ids) - eos - named
+    if params.structured_outputs is not None:  # its grammar allows a control token only where it names one
+        specials -= tokenizer.control_token_ids
+    banned = specials | {w[0] for w in words if len(w) == 1}
     stop_ids = eos | set(params.stop_token_ids) if params.min_tokens else ()
     if params.allowed_token_ids and not set(params.allowed_token_ids) - banned - set(stop_ids):
         raise OptionError("allowed_token_ids must hold a token that bad_words and min_tokens leave "
@@ -201,7 +206,7 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     p = seq.params
     if seq.rules is not None:
         logits = seq.rules.apply(logits, seq.output_ids)
-        matcher = getattr(seq, "matcher", None)
+        matcher = seq.matcher
         if matcher is not None and not bool((logits > float("-inf")).any()):
             matcher.fail("the request's allowed_token_ids, bad_words or min_tokens leave no token the grammar allows")
             return None
@@ -227,7 +232,7 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
     without a grammar as `_pick` samples them, the rows with one from their
     masked logits (None where nothing is left: that row's matcher is dead)."""
     tokens: list[int | None] = [None] * len(seqs)
-    constrained = [i for i, s in enumerate(seqs) if getattr(s, "matcher", None) is not None]
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not constrained:
         _pick(logits, seqs, range(len(seqs)), tokens)
         return tokens

@@ -39,6 +39,7 @@ from .sequence import Sequence, TokenLogprob
 from .step import prepare_step
 
 if TYPE_CHECKING:
+    from pagedlm.structured import GrammarCompiler
     from pagedlm.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192  # when a config names no max_position_embeddings
@@ -51,7 +52,7 @@ class GenerationResponse:
     text: str  # newly completed text (may be empty while UTF-8 or a stop string is pending)
     token: int | None  # the sampled token; None when the sequence ends without one
     logprob: TokenLogprob | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last response
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a grammar dead-ends) on the last
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys were reused (prompt cache, or cached blocks)
@@ -150,6 +151,7 @@ class LLMEngine:
         self.paged_kv = pools is not None
         self.attention_backend = backend.name
         self._steps = 0
+        self._grammars = None  # GrammarCompiler, at the first constrained request
 
     # -- requests -----------------------------------------------------------
 
@@ -166,13 +168,25 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:  # (the budget is the scheduler's check)
             self.check_fits(len(ids), params.max_tokens)
         rules = token_rules(params, self.tokenizer, self.vocab_size, self.default_rules)
+        constraint = params.structured_outputs if params.max_tokens > 0 else None
         seqs = []
         for p in params.continuations():
+            matcher = None if constraint is None else self.grammars.matcher(constraint, label=str(request_id or ""))
             seq = Sequence(ids, p, self.tokenizer.eos_token_ids, self.tokenizer.detokenizer(p.skip_special_tokens),
-                           request_id, rules)
+                           request_id, rules, matcher)
             self.scheduler.add(seq)
             seqs.append(seq)
         return seqs
+
+    @property
+    def grammars(self) -> "GrammarCompiler":
+        """The structured-output compiler, made at the first constrained
+        request (llguidance is imported only then)."""
+        if self._grammars is None:
+            from pagedlm.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def abort(self, seq: Sequence) -> None:
         """End ``seq`` now and free what it holds (call between steps)."""
@@ -233,6 +247,9 @@ class LLMEngine:
             self.admission.commit(seq)
         outputs = []
         for i, seq in enumerate(sampled):
+            if tokens[i] is None:  # its grammar dead-ends (the matcher logged why)
+                outputs.append(self._end_without_token(seq, "error"))
+                continue
             logprob = None
             if seq.params.logprobs is not None and seq.params.max_tokens > 0:
                 chosen = torch.tensor([tokens[i]], device=logits.device)
@@ -275,6 +292,9 @@ class LLMEngine:
             text, hit = seq.stops.feed(piece) if stopping else (piece, None)
             if hit is not None:
                 finish, seq.stop_reason = "stop", hit
+            elif seq.matcher is not None and self._grammar_ends(seq, token):
+                text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
+                finish = "error" if seq.matcher.is_dead else "stop"
             elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
                 finish = "length"
@@ -284,6 +304,23 @@ class LLMEngine:
         if finish is not None:
             self.scheduler.finish(seq, finish)
         return self._response(seq, text, token, logprob, finish, first)
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """Advance ``seq``'s grammar by ``token``: does the output end here
+        (complete, or dead: a token it refuses)?"""
+        seq.matcher.advance(token)
+        return seq.matcher.is_finished or seq.matcher.is_dead
+
+    def _end_without_token(self, seq: Sequence, reason: str) -> GenerationResponse:
+        """End ``seq`` with nothing sampled (its grammar allows no token): the text held back is emitted."""
+        first = seq.first_token_at is None
+        if first:
+            seq.first_token_at = time.perf_counter()
+        text = seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
+        seq.text += text
+        self.scheduler.finish(seq, reason)
+        return self._response(seq, text, None, None, reason, first)
 
     def _response(self, seq, text, token, logprob, finish, first) -> GenerationResponse:
         now = time.perf_counter()

@@ -41,6 +41,9 @@ that start its tokens and computes only the rest, at least its last token
 list. A waiting sequence whose next block another running sequence is
 computing is passed over until that block is cached.
 
+Structured output: a waiting sequence whose grammar is still compiling (on
+the compiler's threads) is passed over until it is ready; nothing waits for it.
+
 The two kinds of KV room are two policies behind one interface
 (``cache.admission``); the scheduler holds one and never asks which.
 """
@@ -142,6 +145,8 @@ class Scheduler:
         for seq in self._admission_order():
             if self._budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if seq.matcher is not None and not seq.matcher.ready():  # its grammar compiles: others go first
+                continue
             prefix = self.admission.lookup(seq)
             if prefix is None:  # another sequence is computing its next block: take it cached, later
                 continue

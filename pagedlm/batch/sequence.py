@@ -12,6 +12,7 @@ from pagedlm.params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedlm.sampling import TokenRules
+    from pagedlm.structured import RowMatcher
     from pagedlm.tokenizer import IncrementalDetokenizer
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-k)
@@ -72,7 +73,7 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int],
                  detokenizer: "IncrementalDetokenizer | None", request_id: object = None,
-                 rules: "TokenRules | None" = None) -> None:
+                 rules: "TokenRules | None" = None, matcher: "RowMatcher | None" = None) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -85,6 +86,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.rules = rules  # what its request rules in and out (sampling.TokenRules); None: nothing
+        self.matcher = matcher  # its place in its grammar (structured output); None: unconstrained
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.detokenizer = detokenizer
         self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)

@@ -17,8 +17,9 @@ ROOT = Path(pagedlm.__file__).parent
 # Bottom first. Each name is a top-level module or package of pagedlm.
 LAYERS = [
     {"options", "tokenizer"},
-    {"kernels", "params"},
-    {"sampling", "structured"},
+    {"kernels", "structured"},
+    {"params"},
+    {"sampling"},
     {"cache"},
     {"attention"},
     {"models"},

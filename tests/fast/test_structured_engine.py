@@ -1,0 +1,103 @@
+"""Structured output through the engine: the grammar's masks in the batched
+step, its end as the row's end, its compile off the step (pagedlm.structured
+holds the machinery; test_structured.py tests it alone)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedlm.batch.engine import LLMEngine
+from pagedlm.options import EngineOptions, PagedKvOptions
+from pagedlm.params import SamplingParams
+from pagedlm.structured import Constraint
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "n", "tags"], "additionalProperties": False}
+STORES = {
+    "default": EngineOptions(),
+    "paged": EngineOptions(paged_kv=PagedKvOptions(block_size=16, prefix_caching=False)),
+    "paged-caching": EngineOptions(paged_kv=PagedKvOptions(block_size=16, prefix_caching=True)),
+}
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list]:
+    """Every request's sequences at their end, in order."""
+    seqs = [engine.add_request(ids, params, request_id=f"r{i}") for i, (ids, params) in enumerate(requests)]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def constrained(kind: dict, **params) -> SamplingParams:
+    return SamplingParams(max_tokens=200, structured_outputs=Constraint(**kind), **params)
+
+
+@pytest.mark.parametrize("store", list(STORES))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_regex_and_choice_outputs_hold_their_constraint(model, tokenizer, store, temperature):
+    engine = LLMEngine(model, tokenizer, STORES[store])
+    prompt = tokenizer.encode("Reply: ")
+    kinds = [dict(json=SCHEMA), dict(json_object=True), dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"),
+             dict(choice=["left", "right", "up"])]
+    requests = [(prompt, constrained(k, temperature=temperature, seed=i, n=2)) for i, k in enumerate(kinds)]
+    outputs = run(engine, requests)
+    for kind, seqs in zip(kinds, outputs):
+        for seq in seqs:
+            assert seq.finish_reason == "stop", (kind, seq.text)
+            if "json" in kind:
+                jsonschema.validate(json.loads(seq.text), SCHEMA)
+            elif "json_object" in kind:
+                assert isinstance(json.loads(seq.text), dict)
+            elif "regex" in kind:
+                assert re.fullmatch(kind["regex"], seq.text), seq.text
+            else:
+                assert seq.text in kind["choice"]
+
+
+def test_a_constrained_row_leaves_its_neighbours_alone(model, tokenizer):
+    plain = [(tokenizer.encode(p), SamplingParams(max_tokens=16, temperature=t, seed=3, ignore_eos=True))
+             for p, t in (("abc", 0.0), ("hello there", 1.0))]
+    alone = [s.output_ids for (s,) in run(LLMEngine(model, tokenizer), plain)]
+    mixed = plain[:1] + [(tokenizer.encode("x"), constrained(dict(json=SCHEMA)))] + plain[1:]
+    beside = run(LLMEngine(model, tokenizer), mixed)
+    assert [beside[0][0].output_ids, beside[2][0].output_ids] == alone
+    jsonschema.validate(json.loads(beside[1][0].text), SCHEMA)
+
+
+def test_a_grammar_that_dead_ends_ends_the_row_with_error(model, tokenizer, caplog):
+    """allowed_token_ids that the grammar never allows: nothing can be sampled."""
+    engine = LLMEngine(model, tokenizer)
+    digit = tokenizer.encode("7")
+    params = constrained(dict(regex="[a-z]+"), allowed_token_ids=digit)
+    (seq,), (other,) = run(engine, [(tokenizer.encode("q"), params),
+                                    (tokenizer.encode("q"), SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert seq.finish_reason == "error" and seq.output_ids == []
+    assert "dead-ends" in caplog.text
+    assert other.finish_reason == "length" and len(other.output_ids) == 3
+    assert not engine.has_unfinished()
+
+
+def test_a_row_waits_for_its_compile_without_holding_others(model, tokenizer, monkeypatch):
+    engine = LLMEngine(model, tokenizer)
+    (seq,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{3}")))
+    (other,) = engine.add_request(tokenizer.encode("q"), SamplingParams(max_tokens=2, ignore_eos=True))
+    monkeypatch.setattr(seq.matcher, "ready", lambda: False)  # still compiling
+    engine.step()
+    assert seq.num_computed == 0 and other.num_computed > 0  # passed over, the other admitted
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        engine.step()
+    assert re.fullmatch("[a-z]{3}", seq.text) and seq.finish_reason == "stop"
+
+
+def test_an_invalid_constraint_is_refused_when_added(model, tokenizer):
+    engine = LLMEngine(model, tokenizer)
+    with pytest.raises(ValueError, match="regex"):
+        engine.add_request(tokenizer.encode("q"), SamplingParams(structured_outputs=Constraint(regex="(")))
+    assert not engine.has_unfinished()
