@@ -1,4 +1,4 @@
-"""The batched engine: sequences, blocks, scheduler, step, engine."""
+"""The batched engine: sequences, scheduler, step, CUDA graphs, engine (the KV it runs on is cache/'s)."""
 
 from .engine import GenerationResponse, KVUsage, LLMEngine
 from .sequence import Sequence, SequenceStatus

@@ -85,6 +85,7 @@ class CacheStats:
     blocks_total: int | None  # None: the default store (no pools)
     blocks_used: int
     blocks_free: int
+    block_refs: int  # blocks in the sequences' tables: one shared by k sequences counts k times
     block_bytes: int  # one block across every pooled layer, scales included (0 without pools)
     prefix_caching: bool
     blocks_cached: int
@@ -386,6 +387,7 @@ class LLMEngine:
             blocks_total=blocks.num_blocks if blocks is not None else None,
             blocks_used=blocks.num_used if blocks is not None else 0,
             blocks_free=blocks.num_free if blocks is not None else 0,
+            block_refs=blocks.num_refs if blocks is not None else 0,
             block_bytes=self.store.pools.nbytes // blocks.num_blocks if blocks is not None else 0,
             prefix_caching=blocks is not None and blocks.caching,
             blocks_cached=blocks.num_cached if blocks is not None else 0,

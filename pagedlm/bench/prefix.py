@@ -62,8 +62,7 @@ def _shared(engine, prefix: list[int], questions: list[list[int]], max_tokens: i
     while engine.has_unfinished():
         engine.step()
         peak_blocks = max(peak_blocks, engine.cache_stats().blocks_used)
-        # TODO(surface): CacheStats.block_refs (blocks in sequences' tables: one shared by k counts k times)
-        peak_refs = max(peak_refs, sum(len(t) for t in engine.blocks.tables.values()))
+        peak_refs = max(peak_refs, engine.cache_stats().block_refs)
         peak_all = max(peak_all, engine.kv_usage().allocated)
     total = time.perf_counter() - t0
     ttft = [s.first_token_at - t0 for s in seqs]

@@ -88,6 +88,11 @@ class BlockManager:
         return len(self.cached)
 
     @property
+    def num_refs(self) -> int:
+        """Blocks in the tables, a block in k tables counted k times."""
+        return sum(self.ref)
+
+    @property
     def num_shared(self) -> int:
         """Blocks in more than one table."""
         return sum(1 for r in self.ref if r > 1)

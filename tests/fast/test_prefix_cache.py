@@ -269,6 +269,10 @@ def test_concurrent_shared_prefix_requests_equal_their_solo_outputs_and_hold_the
             seen["used"] = max(seen["used"], e.blocks.num_used)
             seen["refs"] = max(seen["refs"], max(e.blocks.ref))
             seen["shared"] = max(seen["shared"], e.blocks.num_shared)
+            stats = e.cache_stats()  # what bench prefix reads
+            assert stats.block_refs == sum(len(t) for t in e.blocks.tables.values())
+            assert (stats.blocks_used, stats.blocks_shared) == (e.blocks.num_used, e.blocks.num_shared)
+            seen["table_entries"] = max(seen.get("table_entries", 0), stats.block_refs)
 
         together = run_all(engine, batch, GREEDY, check=watch)
         peaks[on] = seen
@@ -278,6 +282,7 @@ def test_concurrent_shared_prefix_requests_equal_their_solo_outputs_and_hold_the
     assert (peaks[True]["refs"], peaks[True]["shared"]) == (6, 10)
     assert (peaks[False]["refs"], peaks[False]["shared"]) == (1, 0)
     assert peaks[True]["used"] < peaks[False]["used"]
+    assert peaks[True]["table_entries"] > peaks[True]["used"]  # shared blocks counted once per holder
 
 
 def test_a_conversations_next_turn_reuses_the_previous_turns_blocks(tiny):
