@@ -7,15 +7,17 @@ combination) are one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from . import __version__
 from . import options as opt
-from .params import SamplingParams
+from .params import SamplingParams, check_structured_outputs
 
 
 CHAT_PROMPT_CACHE_BYTES = 1 << 62  # one conversation: keep all of it
@@ -126,6 +128,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="CTRL-style penalty on tokens already seen; 1 is off")
     p.add_argument("--seed", type=int, default=None,
                    help="seeds the request's own generator: same seed, same output (default: random)")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="constrain the output to JSON valid against the JSON schema in FILE")
+    constraint.add_argument("--regex", metavar="PATTERN", default=None,
+                            help="constrain the whole output to match PATTERN (Rust regex syntax)")
+    constraint.add_argument("--choice", metavar="TEXT", action="append", default=None,
+                            help="constrain the output to exactly one TEXT (repeat the flag for each choice)")
+    constraint.add_argument("--grammar", metavar="FILE", default=None,
+                            help="constrain the output to the grammar in FILE: Lark (llguidance's dialect) or GBNF")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,7 +266,41 @@ def _sampling_options(args) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=opt.check_seed(args.seed, "--seed"),
+        structured_outputs=_constraint(args),
     ).validate()
+
+
+def _constraint(args):
+    """The validated constraint of --json-schema, --regex, --choice or
+    --grammar (argparse lets one through), or None; a `CliError` naming the
+    flag for a file that cannot be read, a schema that is not JSON, a
+    constraint that does not compile."""
+    where = f"pagedlm {args.command}"
+    if args.json_schema is not None:
+        flag, text = f"--json-schema {args.json_schema}", _read(args.json_schema, f"{where}: --json-schema")
+        try:
+            asked = {"json": json.loads(text)}
+        except ValueError as e:
+            raise CliError(f"{where}: {flag} is not JSON ({e})") from None
+    elif args.grammar is not None:
+        flag, asked = f"--grammar {args.grammar}", {"grammar": _read(args.grammar, f"{where}: --grammar")}
+    elif args.regex is not None:
+        flag, asked = "--regex", {"regex": args.regex}
+    elif args.choice is not None:
+        flag, asked = "--choice", {"choice": args.choice}
+    else:
+        return None
+    try:
+        return check_structured_outputs(asked)
+    except opt.OptionError as e:  # "structured_outputs.<kind> ...": name the flag
+        raise CliError(f"{where}: {flag}: {str(e).removeprefix('structured_outputs.')}") from None
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
 
 
 def _load(args):

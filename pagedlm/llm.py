@@ -217,14 +217,18 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """``generate`` over conversations: one (a list of message dicts) or
         a list of them, each rendered by the tokenizer's chat template (or
-        ``chat_template``, a Jinja string); ``chat_template_kwargs`` reach
-        the template as variables. ``prompt`` is the rendered prompt."""
+        ``chat_template``, a Jinja string); ``tools`` (OpenAI's entries) and
+        ``chat_template_kwargs`` reach the template as variables (a template
+        without tool support gets the tools in a system preamble). Tool calls
+        in the output are left as text, as vLLM leaves them. ``prompt`` is
+        the rendered prompt."""
         conversations = _conversations(messages)
-        template = dict(continue_final_message=continue_final_message, chat_template=chat_template,
+        template = dict(continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
                         **(chat_template_kwargs or {}))
         tok = self.tokenizer
         prompts = [{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, **template)} for c in conversations]

@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from pagedlm.options import OptionError, check_seed
+
+if TYPE_CHECKING:
+    from pagedlm.structured import Constraint
 
 # Below this a temperature means greedy: logits divided by 1e-38 overflow
 # float32 (inf - inf = NaN probabilities), and sampling that cold is the argmax.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+# A structured_outputs dict: the kinds of a `Constraint` (exactly one set), and
+# vLLM's other StructuredOutputsParams keys, accepted only with a value that
+# asks for nothing (null or false), else refused with the reason.
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+VLLM_ONLY_KEYS = {
+    "whitespace_pattern": "JSON whitespace is fixed here: a space, or a newline and up to 20 spaces or tabs "
+                          "(docs/design/structured-output.md)",
+    "structural_tag": "structural tags are not supported: send a grammar",
+    "disable_any_whitespace": "JSON output may hold whitespace between tokens (a space, or a newline and an "
+                              "indent); it cannot be turned off",
+    "disable_additional_properties": "a schema is followed as written: set additionalProperties: false in it",
+}
 
 
 @dataclass
@@ -51,6 +67,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) at the end
     skip_special_tokens: bool = True  # special tokens add no text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # Constrain the output (vLLM's name): a `pagedlm.structured.Constraint`, or a
+    # dict with exactly one of json, json_object, regex, choice, grammar;
+    # validate() makes it a checked Constraint.
+    structured_outputs: "Constraint | dict[str, Any] | None" = None
 
     def validate(self) -> "SamplingParams":
         """A validated copy (the caller's object is left as it is): raise
@@ -104,6 +124,7 @@ class SamplingParams:
         check_seed(self.seed)
         return replace(
             self, top_k=top_k, stop=stop, stop_token_ids=list(self.stop_token_ids),
+            structured_outputs=check_structured_outputs(self.structured_outputs),
             temperature=0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature,
             logit_bias=_clamped_bias(self.logit_bias),
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
@@ -118,6 +139,41 @@ class SamplingParams:
             return [self]
         return [replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % 2**64)
                 for i in range(self.n)]
+
+
+def check_structured_outputs(value: object) -> "Constraint | None":
+    """``structured_outputs`` as a validated `Constraint` (None stays None), or
+    `OptionError` saying "structured_outputs[.<key>] ..." and why: a key that is
+    not a kind, a vLLM-only key that asks for something, or what
+    `Constraint.validate` refuses (two kinds or none, a schema, regex or
+    grammar that does not compile). llguidance is imported only here."""
+    if value is None:
+        return None
+    from pagedlm.structured import Constraint
+
+    if isinstance(value, Mapping):
+        for key, given in value.items():
+            if key in CONSTRAINT_KINDS or (key in VLLM_ONLY_KEYS and given in (None, False)):
+                continue
+            if key == "disable_fallback":  # pagedlm has one grammar engine: it never falls back
+                if isinstance(given, bool) or given is None:
+                    continue
+                raise OptionError(f"structured_outputs.disable_fallback must be true or false (got {given!r})")
+            if key in VLLM_ONLY_KEYS:
+                raise OptionError(f"structured_outputs.{key} is not supported: {VLLM_ONLY_KEYS[key]}")
+            raise OptionError(f"structured_outputs.{key} is not a structured output field: give exactly one of "
+                              f"{', '.join(CONSTRAINT_KINDS)}")
+        value = Constraint(**{k: v for k, v in value.items() if k in CONSTRAINT_KINDS and v is not None})
+    elif not isinstance(value, Constraint):
+        raise OptionError(f"structured_outputs must be a Constraint or a dict with one of "
+                          f"{', '.join(CONSTRAINT_KINDS)} (got {type(value).__name__})")
+    try:
+        return value.validate()
+    except OptionError as e:  # "<kind> ..." or "a constraint must ...": name this field
+        message = str(e)
+        if message.startswith("a constraint "):
+            raise OptionError("structured_outputs " + message[len("a constraint "):]) from None
+        raise OptionError(f"structured_outputs.{message}") from None
 
 
 def _int(value: object) -> bool:

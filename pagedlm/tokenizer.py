@@ -1,9 +1,18 @@
-"""Tokenizer: encode/decode, chat templates (jinja2), incremental detokenizing.
+"""Tokenizer: encode/decode, chat templates (jinja2, tools passed through), incremental detokenizing.
 
 Wraps a `tokenizers.Tokenizer` (tokenizer.json) with the rules that live
 beside it in an HF folder: whether to add BOS (tokenizer_config.json's
 ``add_bos_token``, else whatever tokenizer.json's post-processor does), which
 ids end generation, and the chat template.
+
+Tools reach a template as transformers' ``apply_chat_template`` passes them
+(a ``tools`` variable, OpenAI's ``{"type": "function", "function": {...}}``
+entries; assistant ``tool_calls`` with ``arguments`` as objects; ``role:
+"tool"`` messages). A template that never reads ``tools`` (SmolLM2's,
+Gemma 3's) is given the Hermes / Qwen format in plain messages instead: a
+system preamble listing the tools and the ``<tool_call>{"name": ...,
+"arguments": ...}</tool_call>`` syntax, past calls written that way in the
+assistant's text, tool results as ``<tool_response>`` blocks in a user turn.
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
     {{ '<start_of_turn>model\n' }}
 {%- endif -%}"""
 
+
+# The Hermes / Qwen tool-call syntax (pagedlm.server.tools parses it back).
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 
 # Gemma 3's image markers, which a text model never writes.
 GEMMA_MEDIA_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
@@ -160,11 +173,17 @@ class Tokenizer:
         return ids
 
     @cached_property
+    def control_token_ids(self) -> frozenset[int]:
+        """The tokenizer's special added tokens (control tokens, in a GGUF):
+        tokenizer.json marks them special, so a grammar engine reading it
+        never takes one for text."""
+        return frozenset(i for i, t in self._tk.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
     def special_token_ids(self) -> frozenset[int]:
-        """Tokens that are not text: the tokenizer's special added tokens
-        (control tokens, in a GGUF), and Gemma 3's image markers (special in
-        its HF tokenizer, user-defined, so printed, in its GGUF)."""
-        ids = {i for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+        """Tokens that are not text: `control_token_ids`, and Gemma 3's image
+        markers (special in its HF tokenizer, user-defined, so printed, in its GGUF)."""
+        ids = set(self.control_token_ids)
         if self.token_to_id("<start_of_turn>") is not None:
             ids.update(i for t in GEMMA_MEDIA_TOKENS if (i := self.token_to_id(t)) is not None)
         return frozenset(ids)
@@ -179,27 +198,40 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            **template_kwargs: Any) -> str:
+                            tools: list[dict] | None = None, **template_kwargs: Any) -> str:
         """Render the chat template (the model's, or ``chat_template``) as text;
         its BOS, if any, is part of the text. With ``continue_final_message``
         the prompt ends where the last message's content does (no end of turn,
         no generation prompt), so that the model continues that message.
+        ``tools``: OpenAI's tool entries, for the template (or, for a template
+        without tool support, the Hermes preamble: module docstring).
         ``template_kwargs`` are further template variables. Every failure (the
         template does not compile, raises, or refuses the messages) is a
         `ValueError`."""
+        source = self._template_source(add_generation_prompt, continue_final_message, chat_template)
+        messages, tools = _for_template([_text_message(m) for m in messages], tools, source)
+        return self._render(source, messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+
+    def _template_source(self, add_generation_prompt: bool, continue_final_message: bool,
+                         chat_template: str | None) -> str:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other: "
                              "a prompt either continues the last message or opens a new turn")
         source = self.chat_template if chat_template is None else chat_template
         if source is None:
             raise ValueError("this model has no chat template; use plain text prompts")
-        messages = [_text_message(m) for m in messages]
+        return source
+
+    def _render(self, source: str, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                continue_final_message: bool, template_kwargs: dict[str, Any]) -> str:
         template = compile_chat_template(source)
         from jinja2.exceptions import TemplateError
 
+        # tools only when given: a template may test `tools is defined`
+        given = {} if tools is None else {"tools": tools}
         try:
             text = template.render({**self.special_tokens, **template_kwargs, "messages": messages,
-                                    "add_generation_prompt": add_generation_prompt})
+                                    "add_generation_prompt": add_generation_prompt, **given})
         except TemplateError as e:  # raise_exception(...) in the template, an undefined name
             raise ValueError(f"chat template: {e}") from None
         except Exception as e:  # a template is code: whatever it does wrong is its error
@@ -208,7 +240,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template: str | None = None,
-                    **template_kwargs: Any) -> list[int]:
+                    tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
         """Chat prompt ids (`apply_chat_template`'s arguments). Like
         transformers, adds no special tokens beyond the template's.
 
@@ -216,11 +248,12 @@ class Tokenizer:
         writing ``<|im_end|>\n<|im_start|>system``) is tokenized as plain text,
         so that nobody can forge turns; only the template's own markers are
         special. Content without such text is tokenized exactly as before."""
-        def render(msgs: list[dict]) -> str:
-            return self.apply_chat_template(msgs, add_generation_prompt, continue_final_message=continue_final_message,
-                                            chat_template=chat_template, **template_kwargs)
+        source = self._template_source(add_generation_prompt, continue_final_message, chat_template)
+        messages, tools = _for_template([_text_message(m) for m in messages], tools, source)
 
-        messages = [_text_message(m) for m in messages]
+        def render(msgs: list[dict]) -> str:
+            return self._render(source, msgs, tools, add_generation_prompt, continue_final_message, template_kwargs)
+
         contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
         if not any(s in c for c in contents for s in self._special_texts):
             return self.encode(render(messages), add_special_tokens=False)
@@ -261,6 +294,73 @@ def _text_message(message: dict) -> dict:
         text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         return {**message, "content": text}
     return message
+
+
+def supports_tools(template: str) -> bool:
+    """Whether a chat template renders tools itself: it reads a ``tools`` variable."""
+    return re.search(r"\btools\b", template) is not None
+
+
+def _for_template(messages: list[dict], tools: list[dict] | None,
+                  source: str) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools a template is given: as they are for a template
+    with tool support, else tools, calls and results in Hermes text (`hermes_messages`)."""
+    if supports_tools(source):
+        return messages, tools
+    if not tools and not any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        return messages, None
+    return hermes_messages(messages, tools or []), None
+
+
+def tools_preamble(tools: list[dict]) -> str:
+    """The system text that shows a model without a tool template its tools
+    and how to call them (the Hermes / Qwen format)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    call = '{"name": <function name>, "arguments": <its arguments, a JSON object>}'
+    return ("# Tools\n\nYou may call one or more of the functions below to answer the user. Their "
+            f"signatures, as JSON, are inside <tools></tools>:\n<tools>\n{listed}\n</tools>\n\n"
+            f"To call a function, write a JSON object with its name and arguments inside "
+            f"{TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} tags, one block per call:\n"
+            f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}\n\n"
+            f"Each call's result comes back inside {TOOL_RESPONSE_OPEN}{TOOL_RESPONSE_CLOSE} tags.")
+
+
+def hermes_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` for a template that knows only roles and text: the tools'
+    preamble ends the system message (or is one, first), an assistant's
+    ``tool_calls`` are written after its text as ``<tool_call>`` blocks, and
+    each run of ``role: "tool"`` messages becomes one user turn of
+    ``<tool_response>`` blocks (so that turns still alternate)."""
+    out: list[dict] = []
+    results: dict | None = None  # the user turn that the current run of tool results goes into
+    for m in messages:
+        if m.get("role") != "tool":
+            results = None
+            out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": _content(m)})
+            continue
+        block = f"{TOOL_RESPONSE_OPEN}\n{m.get('content') or ''}\n{TOOL_RESPONSE_CLOSE}"
+        if results is None:
+            results = {"role": "user", "content": block}
+            out.append(results)
+        else:
+            results["content"] += "\n" + block
+    if tools:
+        preamble = tools_preamble(tools)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{preamble}" if out[0]["content"] else preamble
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+def _content(message: dict) -> str:
+    """A message's text, with its tool calls (if any) written after it as ``<tool_call>`` blocks."""
+    text = message.get("content") or ""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call)
+        block = json.dumps({"name": function.get("name"), "arguments": function.get("arguments")}, ensure_ascii=False)
+        text += ("\n" if text else "") + f"{TOOL_CALL_OPEN}\n{block}\n{TOOL_CALL_CLOSE}"
+    return text
 
 
 def _up_to_final_message(text: str, messages: list[dict]) -> str:

@@ -244,12 +244,12 @@ def build_app(planner: "Planner", lane: EngineLoop, metrics: Metrics, options: "
         body = await read_body(request)
         # Parsing and tokenizing a large body takes a while: off the event loop.
         plan = await run_in_threadpool(lambda: plan_of(parse(request_model, body)))
+        shape = shape_cls(plan, planner.tokenizer, plan.model)
         try:
-            job = lane.submit(plan)
+            job = lane.submit(plan, shape.id)
         except QueueFull as e:
             raise APIError(503, str(e), type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        shape = shape_cls(plan, planner.tokenizer, plan.model)
         headers = {"x-pagedlm-paged-kv": "1" if plan.paged else "0"}
         if plan.stream:
             return StreamingResponse(_stream(request, endpoint, job, shape), headers=headers,

@@ -54,8 +54,9 @@ class QueueFull(Exception):
 class Job:
     """One request's sequences, from the request's side and the loop's."""
 
-    def __init__(self, plan: "Plan", loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, plan: "Plan", loop: asyncio.AbstractEventLoop, label: str = "") -> None:
         self.plan = plan
+        self.label = label  # the response's id: the engine's log names the request by it
         self.created = time.perf_counter()
         self.seqs: list["Sequence"] = []
         self.index_of: dict[int, int] = {}  # seq id -> the choice it answers
@@ -63,6 +64,9 @@ class Job:
         self._loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+
+    def __str__(self) -> str:
+        return self.label or "a request"
 
     # -- the loop's side --------------------------------------------------
 
@@ -129,10 +133,11 @@ class EngineLoop:
         inbox = sum(len(job.plan.prompts) for job in list(self._inbox) if not job.cancelled)
         return inbox + self.engine.num_waiting()
 
-    def submit(self, plan: "Plan") -> Job:
-        """Queue ``plan`` for the engine; raise `APIError` (400) for a request
-        over the limits, `QueueFull` when the queue cannot take all of its
-        sequences now. Must be called from the event loop."""
+    def submit(self, plan: "Plan", label: str = "") -> Job:
+        """Queue ``plan`` for the engine (``label``: the request's name in the
+        log); raise `APIError` (400) for a request over the limits,
+        `QueueFull` when the queue cannot take all of its sequences now.
+        Must be called from the event loop."""
         wanted, n = len(plan.prompts), max(1, plan.n)
         if self.max_prompts is not None and wanted // n > self.max_prompts:
             raise APIError(400, f"the request has {wanted // n} prompts; this server takes at most "
@@ -142,7 +147,7 @@ class EngineLoop:
             raise APIError(400, f"the request asks for {wanted} sequences (prompts x n = {wanted // n} x {n}); "
                            f"at most {self.max_queue} may wait to be admitted (--max-queue)",
                            param="n" if n > 1 else "prompt", code="too_many_sequences")
-        job = Job(plan, asyncio.get_running_loop())
+        job = Job(plan, asyncio.get_running_loop(), label)
         with self._cond:
             waiting = self.depth
             if waiting + wanted > self.max_queue:

@@ -5,24 +5,30 @@ is the engine loop's business (``loop.EngineLoop``).
 
 Chat and completions share everything below: each endpoint only says how its
 request becomes prompts and options (``plan_chat`` / ``plan_completion``).
+A request constrains its output by at most one field (`Planner._constraint`):
+``response_format``, ``structured_outputs``, a ``guided_*`` field, or (chat)
+a ``tool_choice`` that forces a call (`tools.choose`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedlm.options import OptionError
-from pagedlm.params import SamplingParams, check_token_ids
+from pagedlm.params import SamplingParams, check_structured_outputs, check_token_ids
 from pagedlm.tokenizer import compile_chat_template
 
 from .protocol import APIError, ChatRequest, CompletionRequest, _ChatTemplateFields, _GenerationRequest
+from .tools import check_tools, choose, history_calls
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
+    from pagedlm.structured import Constraint
 
 log = logging.getLogger("pagedlm.server")
 
@@ -35,8 +41,11 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids")  # lists of ids, checked against the vocabulary
 MAX_N = 16
 # encode_chat's own arguments, which chat_template_kwargs cannot set
-TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template"})
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                                "tools"})
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# vLLM's older request fields -> the `Constraint` kind each one sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
@@ -54,6 +63,8 @@ class Plan:
     model: str = ""  # the served name the response reports
     echo_logprobs: int | None = None  # completions with echo + logprobs: top k of the echoed prompt
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: top k, answered in its shape
+    parse_tool_calls: bool = False  # chat with tools: the output's <tool_call> blocks become tool_calls
+    parallel_tool_calls: bool = True  # false: a choice keeps only its first call
 
 
 class Planner:
@@ -84,7 +95,7 @@ class Planner:
         echo_logprobs = req.logprobs if req.echo else None
         if req.echo and req.max_tokens == 0:  # score the prompt only (lm-eval, legacy API)
             echo_logprobs = req.logprobs or 0
-        options = self._options(req, req.logprobs, echo_logprobs)
+        options = self._options(req, req.logprobs, echo_logprobs, self._constraint(req))
         return self._plan(req, prompts, options, req.max_tokens, "max_tokens",
                           COMPLETION_DEFAULT_MAX_TOKENS, texts if req.echo else None, echo_logprobs)
 
@@ -93,14 +104,18 @@ class Planner:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        options = self._options(req, logprobs, None)
+        parallel = req.parallel_tool_calls is not False
+        parse_calls, forced = choose(check_tools(req.tools), req.tool_choice, parallel)
+        options = self._options(req, logprobs, None, self._constraint(req, ("tool_choice", forced)))
         prompt = self.chat_prompt(req)
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
-        return self._plan(req, [prompt], options, max_tokens, param, None, None, None,
+        plan = self._plan(req, [prompt], options, max_tokens, param, None, None, None,
                           rename={"logprobs": "top_logprobs"})
+        plan.parse_tool_calls, plan.parallel_tool_calls = parse_calls, parallel
+        return plan
 
     def check_model(self, model: str | None) -> str:
         """The served name a request reports: its own ``model`` (404 when this
@@ -121,8 +136,52 @@ class Planner:
             raise APIError(400, "prompt_logprobs cannot be streamed: ask without stream",
                            param="prompt_logprobs")
 
+    def _constraint(self, req: _GenerationRequest,
+                    tool_call: tuple[str, "Constraint | None"] = ("", None)) -> "Constraint | None":
+        """The one validated constraint the request asks for, or None; a 400
+        naming the field: a constraint that does not validate, a json_schema
+        response format without its schema, two fields that constrain at once.
+        ``tool_call``: (its field, the constraint a tool_choice forces)."""
+        given: list[tuple[str, Constraint | dict]] = []  # (the field, what it asks)
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, 'response_format of type "json_schema" needs a json_schema',
+                               param="response_format.json_schema")
+            if fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format.json_schema needs a schema",
+                               param="response_format.json_schema.schema")
+            given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+        if req.structured_outputs is not None:
+            given.append(("structured_outputs", req.structured_outputs))
+        given += [(name, {kind: getattr(req, name)}) for name, kind in GUIDED.items() if getattr(req, name) is not None]
+        if tool_call[1] is not None:
+            given.append(tool_call)
+        if len(given) > 1:  # (response_format, the one field with a dotted param, comes first)
+            (first, _), (second, _) = given[:2]
+            raise APIError(400, f"{second} and {first.split('.')[0]} both constrain the output: send one",
+                           param=second)
+        if not given:
+            return None
+        param, asked = given[0]
+        if param == "tool_choice":  # tools.choose validated it
+            return asked
+        try:
+            return check_structured_outputs(asked)
+        except OptionError as e:  # "structured_outputs[.<kind>] ...": name the request's field
+            message = str(e)
+            if param == "structured_outputs":
+                named = message.split()[0]
+                raise APIError(400, message, param=named) from None
+            for prefix in [f"structured_outputs.{kind} " for kind in ("json", "regex", "choice", "grammar")]:
+                if message.startswith(prefix):
+                    raise APIError(400, f"{param} {message[len(prefix):]}", param=param) from None
+            raise APIError(400, f"{param}: {message}", param=param) from None
+
     def _options(self, req: _GenerationRequest, logprobs: int | None,
-                 echo_logprobs: int | None) -> SamplingParams:
+                 echo_logprobs: int | None, constraint: "Constraint | None") -> SamplingParams:
         """The request's sampling options (validated per prompt in `_plan`);
         unset fields keep the engine's defaults."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -151,7 +210,8 @@ class Planner:
         asked = [k for k in (echo_logprobs, req.prompt_logprobs) if k is not None]
         return SamplingParams(
             max_tokens=1,  # resolved per prompt in _plan
-            stop=stop, logprobs=logprobs, prompt_logprobs=max(asked) if asked else None, **given,
+            stop=stop, logprobs=logprobs, prompt_logprobs=max(asked) if asked else None,
+            structured_outputs=constraint, **given,
         )
 
     def _check_ids(self, ids: list[int], param: str, what: str | None = None) -> None:
@@ -283,8 +343,20 @@ class Planner:
             message = {"role": CHAT_ROLES[m.role], "content": content}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise APIError(400, f"messages[{i}].tool_calls: only an assistant's message makes tool calls "
+                                   f"(this one is the {m.role}'s)", param=f"messages[{i}].tool_calls")
+                message["tool_calls"] = history_calls(m.tool_calls, f"messages[{i}].tool_calls")
+            if m.tool_call_id is not None:
+                if m.role != "tool":
+                    raise APIError(400, f"messages[{i}].tool_call_id: only a tool's message answers a call "
+                                   f"(this one is the {m.role}'s)", param=f"messages[{i}].tool_call_id")
+                message["tool_call_id"] = m.tool_call_id
             messages.append(message)
-        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        tools = check_tools(req.tools)
+        self._check_text_length(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in messages)
+                                + len(json.dumps(tools or "")), "messages")
         continue_final = bool(req.continue_final_message)
         add_generation_prompt = req.add_generation_prompt if req.add_generation_prompt is not None \
             else not continue_final
@@ -306,8 +378,8 @@ class Planner:
                 raise APIError(400, str(e), param="chat_template") from None
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt,
-                                             continue_final_message=continue_final,
-                                             chat_template=template, **(req.chat_template_kwargs or {}))
+                                             continue_final_message=continue_final, chat_template=template,
+                                             tools=tools, **(req.chat_template_kwargs or {}))
         except ValueError as e:  # the template refused them (raise_exception), failed, or there is none
             log.info("chat template refused a request: %s", e)
             raise APIError(400, f"the chat template refused the messages: {e}",

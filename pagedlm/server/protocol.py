@@ -75,6 +75,7 @@ def _field_names() -> frozenset[str]:
     while pending:
         cls = pending.pop()
         names.update(cls.model_fields)
+        names.update(f.alias for f in cls.model_fields.values() if f.alias)  # errors name a field by its alias
         pending += cls.__subclasses__()
     return frozenset(names)
 
@@ -119,10 +120,8 @@ def _off(*noop: Any) -> Callable[[Any], bool]:
     return lambda value: value in noop
 
 
-STRUCTURED = "structured output is not supported yet"
-TOOLS = "tool and function calling is not supported yet"
-
 # Metadata a request may carry; accepted and ignored (docs/server-config.md).
+# (parallel_tool_calls: chat declares it; a completion has no tools to call.)
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                      "prompt_cache_key", "safety_identifier"})
 
@@ -130,14 +129,16 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool
 # accepted only with a value that asks for nothing, else refused with its reason.
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_off(""), "suffix (fill-in-the-middle) is not supported"),
-    "response_format": (_off({"type": "text"}), STRUCTURED),
-    **{name: (_off(), STRUCTURED) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structured_outputs", "grammar", "json_schema")},
-    "tools": (_off([]), TOOLS),
-    "tool_choice": (_off("none"), TOOLS),
-    "functions": (_off([]), TOOLS),
-    "function_call": (_off("none"), TOOLS),
+    "guided_decoding_backend": (_off("auto", "guidance"), "this server's one grammar engine is llguidance "
+                                "(vLLM's \"guidance\")"),
+    "guided_whitespace_pattern": (_off(), "JSON whitespace is fixed here: a space, or a newline and up to 20 "
+                                  "spaces or tabs"),
+    "grammar": (_off(), "send a grammar as guided_grammar or structured_outputs.grammar"),
+    "json_schema": (_off(), "send a JSON schema as response_format or guided_json"),
+    "tools": (_off([]), "tools are a /v1/chat/completions field"),  # chat declares them
+    "tool_choice": (_off("none"), "tool_choice is a /v1/chat/completions field"),
+    "functions": (_off([]), "functions is the deprecated form of tools: send tools"),
+    "function_call": (_off("none"), "function_call is the deprecated form of tool_choice: send tool_choice"),
     "use_beam_search": (_off(False), "beam search is not supported"),
     "echo": (_off(False), "echo is a /v1/completions field; a chat cannot echo its prompt here"),
     "add_special_tokens": (_off(False), "add_special_tokens on a chat is not supported: the chat "
@@ -191,6 +192,18 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted: the output follows the schema either way (as vLLM)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -225,6 +238,13 @@ class _GenerationRequest(_Request):
     truncate_prompt_tokens: Int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     allowed_token_ids: list[Int] | None = None
     bad_words: list[str] | None = None
+    # Structured output (at most one of these; planner.Planner._constraint)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's; checked by SamplingParams.validate
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -244,8 +264,21 @@ class ContentPart(_Request):
 
 
 # Fields an assistant message read back from an OpenAI response carries (null or empty there).
-_ECHOED = {name: (_off([]), TOOLS if "call" in name else f"{name} is not supported")
-           for name in ("tool_calls", "function_call", "tool_call_id", "refusal", "audio", "annotations")}
+_ECHOED = {"function_call": (_off(), "function_call is the deprecated form of tool_calls: send tool_calls"),
+           **{name: (_off([]), f"{name} is not supported") for name in ("refusal", "audio", "annotations")}}
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text (OpenAI's)
+
+
+class MessageToolCall(_Request):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: str | None = None  # "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Request):
@@ -254,12 +287,36 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None  # passed to the chat template, as vLLM does
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result answers this call
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the JSON schema of an object
+    strict: bool | None = None  # accepted: "required" and named calls follow the schema either way
+
+
+class ToolDefinition(_Request):
+    type: str  # "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: str  # "function"
+    function: FunctionName
 
 
 class _ChatTemplateFields(_Request):
     """How messages become a prompt (chat, and /tokenize with messages)."""
 
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = None  # rendered by the chat template
     add_generation_prompt: bool | None = None  # default true: open the assistant's turn
     continue_final_message: bool | None = None  # end the prompt inside the last message
     chat_template: str | None = None  # a jinja2 template instead of the model's
@@ -270,6 +327,8 @@ class ChatRequest(_GenerationRequest, _ChatTemplateFields):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the first), as vLLM
 
 
 class TokenizeCompletionRequest(_Request):
@@ -331,7 +390,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "error"] | None = None  # error: the grammar dead-ended
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -373,16 +432,42 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int  # the call's place among the choice's calls
+
+
+ChatFinish = Literal["stop", "length", "tool_calls", "error"]  # error: the grammar dead-ended
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_only_when_made(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data["tool_calls"] is None:
+            del data["tool_calls"]
+        return data
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: ChatFinish | None = None
     stop_reason: int | str | None = None
 
 
@@ -400,17 +485,18 @@ class ChatCompletion(_WithExtension):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
-    @model_serializer
-    def _present_fields_only(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _present_fields_only(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: ChatFinish | None = None
     stop_reason: int | str | None = None
 
 

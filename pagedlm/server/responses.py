@@ -2,7 +2,10 @@
 
 One `Shape` accumulates every choice of a request, whether it is answered
 whole or streamed; `CompletionShape` and `ChatShape` differ only in how a
-choice, a chunk and a list of token logprobs look on the wire.
+choice, a chunk and a list of token logprobs look on the wire. A chat with
+tools (`Plan.parse_tool_calls`) splits each choice's text into content and
+``tool_calls`` (`tools.parse_tool_calls`; streamed: `tools.ToolCallStream`),
+and a choice that stopped after making calls finishes ``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ from .protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCallOut,
     PagedlmInfo,
     PromptLogprob,
     PromptLogprobs,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from .tools import ToolCall, ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import GenerationResponse
@@ -54,6 +61,7 @@ class _Choice:
     paged: bool = False
     started: bool = False
     offset: int = 0  # characters of text sent so far (completions' text_offset)
+    calls: int = 0  # tool calls streamed so far
 
 
 class Shape:
@@ -196,6 +204,15 @@ class CompletionShape(Shape):
 class ChatShape(Shape):
     id_prefix = "chatcmpl-"
 
+    def __init__(self, plan: "Plan", tokenizer: "Tokenizer", model_id: str) -> None:
+        super().__init__(plan, tokenizer, model_id)
+        self.streams = [ToolCallStream() for _ in plan.prompts] if plan.parse_tool_calls else None
+
+    @staticmethod
+    def _finish(c: _Choice, made_calls: bool) -> str | None:
+        """OpenAI's: a choice that stopped after making calls finishes "tool_calls"."""
+        return "tool_calls" if made_calls and c.finish_reason == "stop" else c.finish_reason
+
     def _logprobs(self, items: list[Item]) -> ChatLogprobs | None:
         if self.logprobs is None:
             return None
@@ -210,24 +227,45 @@ class ChatShape(Shape):
         ])
 
     def response(self) -> dict[str, Any]:
-        choices = [
-            ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                       logprobs=self._logprobs(c.items), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for i, c in enumerate(self.choices)
-        ]
+        choices = []
+        for i, c in enumerate(self.choices):
+            content, calls = "".join(c.text), []
+            if self.plan.parse_tool_calls:
+                content, calls = parse_tool_calls(content)
+                calls = calls if self.plan.parallel_tool_calls else calls[:1]
+            message = AssistantMessage(content=content, tool_calls=[_call_out(call) for call in calls] or None)
+            choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(c.items),
+                                      finish_reason=self._finish(c, bool(calls)), stop_reason=c.stop_reason))
         return ChatCompletion(id=self.id, created=self.created, model=self.model_id, choices=choices,
                               usage=self.usage(), prompt_logprobs=self.choices[0].prompt_logprobs,
                               pagedlm=self.info()).model_dump(mode="json")
 
     def chunk(self, index: int, resp: GenerationResponse) -> dict[str, Any]:
-        first = not self.choices[index].started
+        c = self.choices[index]
+        first = not c.started
         text, items = self.add(index, resp)
-        delta = ChatDelta(role="assistant" if first else None, content=text)
+        calls: list[ToolCall] = []
+        if self.streams is not None:
+            text, calls = self.streams[index].feed(text)
+            if resp.finish_reason is not None:
+                rest, more = self.streams[index].finish()
+                text, calls = text + rest, calls + more
+            if not self.plan.parallel_tool_calls:
+                calls = calls[: max(0, 1 - c.calls)]
+        deltas = [ToolCallDelta(index=c.calls + k, **_call_out(call).model_dump()) for k, call in enumerate(calls)]
+        c.calls += len(calls)
+        delta = ChatDelta(role="assistant" if first else None, content=text if text or not deltas else None,
+                          tool_calls=deltas or None)
+        finish = self._finish(c, c.calls > 0) if resp.finish_reason is not None else None
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(items),
-                                 finish_reason=resp.finish_reason, stop_reason=self.choices[index].stop_reason)
+                                 finish_reason=finish, stop_reason=c.stop_reason)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_id,
                                    choices=[choice]).model_dump(mode="json")
 
     def usage_chunk(self) -> dict[str, Any]:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model_id, choices=[],
                                    usage=self.usage()).model_dump(mode="json")
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))

@@ -23,16 +23,10 @@ def model(tokenizer) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def served(model, tokenizer):
     """(client, planner) of the server app over the tiny model (tests.fast.server_helpers.make_app)."""
-    from fastapi.testclient import TestClient
+    from tests.fast.server_helpers import serving
 
-    from tests.fast.server_helpers import make_app
-
-    app, planner = make_app(model, tokenizer)
-    try:
-        with TestClient(app) as client:
-            yield client, planner
-    finally:
-        app.state.engine_loop.close()
+    with serving(model, tokenizer) as pair:
+        yield pair
 
 
 @pytest.fixture

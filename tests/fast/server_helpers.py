@@ -3,6 +3,8 @@ wires it, over a tiny model, and readers of its answers."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedlm.batch.engine import LLMEngine
@@ -33,6 +35,19 @@ def make_app(model, tokenizer, *, paged_kv=None, api_key=None, max_model_len=MAX
     app = build_app(planner, lane, metrics, options)
     app.state.engine_loop = lane
     return app, planner
+
+
+@contextmanager
+def serving(model, tokenizer, **app_options):
+    """(client, planner) of `make_app`'s app under a TestClient, its engine loop closed after."""
+    from fastapi.testclient import TestClient
+
+    app, planner = make_app(model, tokenizer, **app_options)
+    try:
+        with TestClient(app) as client:
+            yield client, planner
+    finally:
+        app.state.engine_loop.close()
 
 
 def metric(client, name: str, **labels: str) -> float:

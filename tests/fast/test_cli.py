@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import importlib.metadata
 import io
 import signal
@@ -164,3 +165,53 @@ def test_chat_reset_says_so_and_starts_over(tiny_load, monkeypatch, capsys):
     assert main(["chat", "--max-tokens", "2", "--system", "be brief"]) == 0
     assert "conversation reset\n" in capsys.readouterr().err
     assert conversations[1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}]
+
+
+# ---------------------------------------------------------------- constraints
+
+
+@pytest.mark.parametrize("command", [["generate"], ["chat"]])
+def test_constraint_flags_are_exclusive_and_choice_repeats(command, capsys):
+    prompt = ["x"] if command == ["generate"] else []
+    args = build_parser().parse_args([*command, "--choice", "yes", "--choice", "no", *prompt])
+    assert args.choice == ["yes", "no"]
+    assert main([*command, "--regex", "a+", "--json-schema", "s.json", *prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--json-schema: not allowed with argument --regex" in err
+
+
+@pytest.mark.parametrize("flag,content,message", [
+    ("--json-schema", None, "--json-schema {path}: cannot read it (No such file or directory)"),
+    ("--grammar", None, "--grammar {path}: cannot read it (No such file or directory)"),
+    ("--json-schema", "{not json", "--json-schema {path} is not JSON (Expecting property name"),
+    ("--json-schema", '{"type": "objectx"}', "--json-schema {path}: json is not a JSON schema pagedlm can follow"),
+    ("--grammar", "start: foo", "--grammar {path}: grammar does not compile"),
+    ("--regex", None, "--regex: regex 'a{{3' does not compile"),
+])
+def test_a_bad_constraint_is_one_line_and_exit_2_before_loading(tmp_path, monkeypatch, capsys, flag, content,
+                                                                message):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded the model"))
+    path = tmp_path / "c.txt"
+    if content is not None:
+        path.write_text(content)
+    value = "a{3" if flag == "--regex" else str(path)
+    assert main(["generate", flag, value, "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pagedlm generate: " + message.format(path=path)), err
+
+
+def test_e2e_generate_follows_each_constraint_flag(tiny_load, tmp_path, capsys):
+    """Needs the engine's wiring of issue 22."""
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], '
+                      '"additionalProperties": false}')
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "id-" /[0-9]{3}/')
+    runs = {("--choice", "yes", "--choice", "no"): lambda out: out in ("yes", "no"),
+            ("--regex", "[a-c]{5}"): lambda out: len(out) == 5 and set(out) <= set("abc"),
+            ("--grammar", str(grammar)): lambda out: out.startswith("id-") and out[3:].isdigit() and len(out) == 6,
+            ("--json-schema", str(schema)): lambda out: isinstance(json.loads(out)["n"], int)}
+    for flags, ok in runs.items():
+        assert main(["generate", "--max-tokens", "200", *flags, "x"]) == 0
+        out = capsys.readouterr().out.removesuffix("\n")
+        assert ok(out), (flags, out)

@@ -294,3 +294,68 @@ def test_the_tokenizer_knows_control_tokens_and_gemmas_image_markers_are_special
 def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(fields):
     with pytest.raises(OptionError, match="^allowed_token_ids must"):
         run(SamplingParams(**fields))
+
+
+# ---------------------------------------------------------------- structured_outputs
+
+
+def test_structured_outputs_become_a_validated_constraint():
+    from pagedlm.structured import Constraint
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert SamplingParams(structured_outputs={"json": schema}).validate().structured_outputs == Constraint(json=schema)
+    assert SamplingParams(structured_outputs={"choice": ["a", "b"], "regex": None, "json_object": False,
+                                              "disable_fallback": True}).validate().structured_outputs \
+        == Constraint(choice=("a", "b"))
+    given = Constraint(regex="[0-9]+")
+    assert SamplingParams(structured_outputs=given).validate().structured_outputs == given
+    assert SamplingParams().validate().structured_outputs is None
+    assert SamplingParams(structured_outputs={"grammar": 'start: "a"'}, n=2).validate().continuations()[1] \
+        .structured_outputs == Constraint(grammar='start: "a"')
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"regex": "a{3"}, "structured_outputs.regex 'a{3' does not compile"),
+    ({"json": {"type": "objectx"}}, "structured_outputs.json is not a JSON schema pagedlm can follow"),
+    ({"choice": []}, "structured_outputs.choice must hold at least one string"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                                      "grammar \\(got regex, choice\\)"),
+    ({}, "structured_outputs must set exactly one of .* \\(got none\\)"),
+    ({"whitespace_pattern": "[ ]*", "json_object": True}, "structured_outputs.whitespace_pattern is not supported"),
+    ({"structural_tag": {"x": 1}, "json_object": True}, "structured_outputs.structural_tag is not supported"),
+    ({"disable_any_whitespace": True, "json_object": True},
+     "structured_outputs.disable_any_whitespace is not supported"),
+    ({"disable_additional_properties": True, "json_object": True},
+     "structured_outputs.disable_additional_properties is not supported"),
+    ({"disable_fallback": "yes", "json_object": True}, "structured_outputs.disable_fallback must be true or false"),
+    ({"backend": "xgrammar", "json_object": True}, "structured_outputs.backend is not a structured output field"),
+    ("a+", "structured_outputs must be a Constraint or a dict"),
+])
+def test_bad_structured_outputs_are_refused_naming_the_key(value, message):
+    with pytest.raises(OptionError, match=f"^{message}"):
+        SamplingParams(structured_outputs=value).validate()
+
+
+def test_a_constrained_request_leaves_control_tokens_to_its_grammar():
+    from pagedlm.sampling import token_rules
+    from tests.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    start = tok.token_to_id("<|im_start|>")
+    assert start in tok.control_token_ids and start != tok.token_to_id("<|im_end|>")
+    plain = token_rules(SamplingParams().validate(), tok, tok.vocab_size)
+    constrained = token_rules(SamplingParams(structured_outputs={"grammar": 'start: <|im_start|> "a"'}).validate(),
+                              tok, tok.vocab_size)
+    assert start in plain.banned and start not in constrained.banned
+
+
+def test_e2e_llm_generate_follows_structured_outputs(model, tokenizer):
+    """Needs the engine's wiring of issue 22."""
+    from pagedlm import LLM
+
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=256)
+    params = [SamplingParams(max_tokens=20, structured_outputs={"choice": ["alpha", "beta"]}),
+              SamplingParams(max_tokens=20, structured_outputs={"regex": "[0-9]{4}"})]
+    first, second = llm.generate(["x", "y"], params, use_tqdm=False)
+    assert first.outputs[0].text in ("alpha", "beta") and first.outputs[0].finish_reason == "stop"
+    assert len(second.outputs[0].text) == 4 and second.outputs[0].text.isdigit()

@@ -191,15 +191,13 @@ def test_chat_template_and_its_kwargs_replace_the_models_template(client, tokeni
 
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/completions", "suffix", "the end"),
-    ("/v1/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "guided_regex", "a+"),
-    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
-    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
-    ("/v1/chat/completions", "structured_outputs", {"json": {}}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/completions", "guided_decoding_backend", "xgrammar"),
+    ("/v1/completions", "guided_whitespace_pattern", " "),
+    ("/v1/completions", "grammar", "root ::= 'a'"),
+    ("/v1/completions", "json_schema", {"type": "object"}),
+    ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/chat/completions", "echo", True),
@@ -222,7 +220,7 @@ def test_an_unknown_field_is_a_400_naming_it_but_metadata_and_nulls_are_accepted
     r = client.post("/v1/completions", json={"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}})
     error_of(r, 400, "stream_options.x")
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "tool_calls": [{}]}]})
-    error_of(r, 400, "messages[0].tool_calls")
+    error_of(r, 400, "messages[0].tool_calls[0].function")
     base = complete(client)
     extras = {name: "x" if name == "user" else None for name in IGNORED}
     extras |= {"metadata": {"k": "v"}, "store": False, "suffix": None, "tools": None,
