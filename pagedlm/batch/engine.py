@@ -25,8 +25,7 @@ from pagedlm.attention import select_backend
 from pagedlm.attention.sdpa import keep_sdpa_deterministic
 from pagedlm.cache.admission import BlockAdmission, ByteAdmission
 from pagedlm.cache.blocks import BlockManager
-from pagedlm.cache.layout import kv_bytes, plan_layout
-from pagedlm.cache.paged import PagedPools
+from pagedlm.cache.layout import kv_bytes, make_pools, plan_layout
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore
 from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, check_refusals
@@ -132,11 +131,9 @@ class LLMEngine:
                                            in_place=backend.in_place, identity=identity,
                                            max_model_len=self.max_model_len)
         # The cache package's objects, from the layout: pools and blocks, or a prompt cache.
-        pools, self.blocks, self.prompt_cache = None, None, None
-        if layout.block_size is not None:
-            spec = layout.specs[layout.pooled_layers[0]]
-            pools = PagedPools(layout.pooled_layers, layout.num_blocks, layout.block_size, spec.num_kv_heads,
-                               spec.head_dim, self.dtype, self.device, layout.kv_quant, fused=layout.in_place)
+        self.blocks, self.prompt_cache = None, None
+        pools = make_pools(layout, self.dtype, self.device)
+        if pools is not None:
             self.blocks = BlockManager(layout.num_blocks, layout.block_size, layout.prefix_salt)
         elif options.prompt_cache_bytes > 0:
             self.prompt_cache = PromptCache(options.prompt_cache_bytes)

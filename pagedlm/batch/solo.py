@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 
 from pagedlm.attention import select_backend
-from pagedlm.cache.layout import KVLayout, token_bytes
+from pagedlm.cache.layout import make_pools, plan_layout
 from pagedlm.cache.paged import PagedPools
-from pagedlm.cache.spec import KVSpec
 from pagedlm.cache.step import StepBatch
 from pagedlm.cache.store import KVStore
-from pagedlm.options import DEFAULT_BLOCK_SIZE, OptionError
+from pagedlm.options import DEFAULT_BLOCK_SIZE, EngineOptions, OptionError, PagedKvOptions
 
 SOLO = 0  # the row's id in its own store
 
@@ -30,15 +29,20 @@ class Solo:
         param = next(model.parameters())
         self.device = param.device
         specs = model.kv_spec()
-        pools, self.table, self.capacity = None, None, None
-        full = [i for i, s in enumerate(specs) if s.window is None]
+        self.table, self.capacity = None, None
+        full = [s for s in specs if s.window is None]
+        options = EngineOptions(kv_budget_bytes=0)
         if kv_quant is not None and full:
             n_blocks = -(-capacity // block_size)  # PagedPools refuses 0: give a capacity
-            pools = PagedPools(full, n_blocks, block_size, specs[full[0]].num_kv_heads, specs[full[0]].head_dim,
-                               param.dtype, self.device, kv_quant)
+            per_block = PagedPools.bytes_per_block(len(full), block_size, full[0].num_kv_heads, full[0].head_dim,
+                                                   param.dtype, kv_quant)
+            options = EngineOptions(paged_kv=PagedKvOptions(block_size=block_size, prefix_caching=False),
+                                    kv_budget_bytes=n_blocks * per_block, kv_quant=kv_quant)
             self.table = torch.arange(n_blocks, device=self.device)[None]
             self.capacity = n_blocks * block_size
-        layout = _layout(specs, param.dtype, pools)
+        layout = plan_layout(specs, options, self.device, param.dtype, in_place=False, identity="solo",
+                             max_model_len=self.capacity or 0)
+        pools = make_pools(layout, param.dtype, self.device)
         self.store = KVStore(layout, pools, select_backend("torch", self.device, paged=pools is not None))
         self.store.add_row(SOLO)
         self.offset = 0
@@ -66,17 +70,3 @@ class Solo:
         self.offset += n
         return self.model.compute_logits(hidden) if logits else hidden
 
-
-def _layout(specs: list[KVSpec], dtype: torch.dtype, pools: PagedPools | None) -> KVLayout:
-    """Solo's placement: the pools (when there are any) hold the full-attention
-    layers, read by the torch backend; every other layer is cached per row."""
-    pooled = tuple(pools.layers) if pools is not None else ()
-    kv_quant = pools.kv_quant if pools is not None else "none"
-    return KVLayout(
-        specs=tuple(specs), bytes_per_token=tuple(token_bytes(specs, dtype, kv_quant)),
-        budget_bytes=pools.nbytes if pools is not None else 0, in_place=False,
-        block_size=pools.block_size if pools is not None else None,
-        num_blocks=pools.num_blocks if pools is not None else 0,
-        pooled_layers=pooled, paged_layers=frozenset(pooled), mirrored_layers=frozenset(),
-        row_layers=tuple(i for i in range(len(specs)) if i not in pooled), prefix_salt=None, kv_quant=kv_quant,
-    )

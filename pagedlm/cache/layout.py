@@ -102,6 +102,15 @@ def plan_layout(specs: Sequence[KVSpec], options: EngineOptions, device: torch.d
     )
 
 
+def make_pools(layout: KVLayout, dtype: torch.dtype, device: torch.device | str) -> PagedPools | None:
+    """The pools ``layout`` asks for (None for the default store)."""
+    if layout.block_size is None:
+        return None
+    spec = layout.specs[layout.pooled_layers[0]]
+    return PagedPools(layout.pooled_layers, layout.num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim,
+                      dtype, device, layout.kv_quant, fused=layout.in_place)
+
+
 def token_bytes(specs: Sequence[KVSpec], dtype: torch.dtype, kv_quant: str = "none",
                 sliding_pooled: bool = False) -> list[int]:
     """One token's KV bytes per layer. ``kv_quant`` applies to the layers the
