@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give transformers only the first N prompts, when it is too slow for all (default: all)")
     t.add_argument("--hf-timeout", type=float, default=None, metavar="S",
                    help="give up on transformers' run after S seconds, reported as an error (default: no limit)")
+    t.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="instead of the stores: each batch size's prompts unconstrained and constrained to the "
+                        "JSON schema in FILE, interleaved; per decode step: ms, sampling ms, mask_overhead")
+    t.add_argument("--structured-batch-sizes", action=_AtLeast, nargs="+", default=None, metavar="B",
+                   help="with --json-schema: the batch sizes (default: 1 16 64)")
+    t.add_argument("--structured-max-tokens", action=_AtLeast, default=None, metavar="N",
+                   help="with --json-schema: tokens each row generates at most (default: 64)")
     _add_random_weights(t)
     t.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
@@ -272,21 +279,22 @@ def _sampling_options(args) -> SamplingParams:
 
 def _constraint(args):
     """The validated constraint of --json-schema, --regex, --choice or
-    --grammar (argparse lets one through), or None; a `CliError` naming the
-    flag for a file that cannot be read, a schema that is not JSON, a
-    constraint that does not compile."""
-    where = f"pagedlm {args.command}"
+    --grammar (argparse lets one through; `bench throughput` has only
+    --json-schema), or None; a `CliError` naming the flag for a file that
+    cannot be read, a schema that is not JSON, a constraint that does not
+    compile."""
+    where = " ".join(["pagedlm", args.command] + ([args.bench] if args.command == "bench" else []))
     if args.json_schema is not None:
         flag, text = f"--json-schema {args.json_schema}", _read(args.json_schema, f"{where}: --json-schema")
         try:
             asked = {"json": json.loads(text)}
         except ValueError as e:
             raise CliError(f"{where}: {flag} is not JSON ({e})") from None
-    elif args.grammar is not None:
+    elif getattr(args, "grammar", None) is not None:
         flag, asked = f"--grammar {args.grammar}", {"grammar": _read(args.grammar, f"{where}: --grammar")}
-    elif args.regex is not None:
+    elif getattr(args, "regex", None) is not None:
         flag, asked = "--regex", {"regex": args.regex}
-    elif args.choice is not None:
+    elif getattr(args, "choice", None) is not None:
         flag, asked = "--choice", {"choice": args.choice}
     else:
         return None
@@ -495,7 +503,15 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench == "throughput" and args.json_schema is not None:
+        constraint = _constraint(args)  # a bad FILE is refused before the model loads
+        from .bench.structured import run_structured_bench
+
+        return run_structured_bench(args, _engine_options(args), constraint)
     if args.bench == "throughput":
+        if args.structured_batch_sizes is not None or args.structured_max_tokens is not None:
+            raise CliError("pagedlm bench throughput: --structured-batch-sizes and --structured-max-tokens "
+                           "need --json-schema")
         from .bench.throughput import run_throughput_bench
 
         return run_throughput_bench(args, _engine_options(args))

@@ -1,6 +1,8 @@
 """`pagedlm bench throughput` and `bench memory` end to end on a tiny random-weight model.
 
 Rows and their sanity (live <= allocated, padded >= paged, ...), never timings.
+`bench throughput --json-schema` needs a real tokenizer: a tiny model folder
+with the tests' byte-level one.
 """
 
 from __future__ import annotations
@@ -282,3 +284,108 @@ def test_contention_rows_on_both_stores(tiny, capsys):
         assert row["idle"]["ttft_steps_max"] == row["contended"]["ttft_steps_max"] == 1
         assert row["long_alone_ttft_steps"] == -(-200 // 64)
         assert row["long_ttft_steps"] >= row["long_alone_ttft_steps"]
+
+
+# A schema whose every output is short: with at most 22 characters of
+# whitespace between tokens (constraint.JSON_WHITESPACE), under 256 bytes.
+FLAG_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+               "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    """A loadable folder: a plain tiny llama over the byte-level tokenizer's vocabulary."""
+    from safetensors.torch import save_file
+
+    from tests.helpers import PLAIN, byte_level, tiny_model
+
+    tk = byte_level()
+    config = {**PLAIN["llama"], "vocab_size": tk.get_vocab_size()}
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    model = tiny_model("llama", vocab_size=config["vocab_size"], plain=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "flag.schema.json").write_text(json.dumps(FLAG_SCHEMA))
+    return folder
+
+
+def test_throughput_json_schema_rows_unconstrained_against_constrained(tiny_folder, capsys, monkeypatch):
+    """Per batch size an unconstrained and a constrained row, the grammar
+    compiled once; every constrained row ends by its grammar with JSON valid
+    against the schema, and its unconstrained twin runs as many tokens and
+    steps."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from pagedlm.bench import structured
+
+    runs = []
+    run_batch = structured.run_batch
+
+    def recording(engine, requests):
+        runs.append((requests, run_batch(engine, requests)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(structured, "run_batch", recording)
+    schema = str(tiny_folder.parent / "flag.schema.json")
+    argv = ["bench", "throughput", "--model", str(tiny_folder), "--device", "cpu", "--json-schema", schema,
+            "--structured-batch-sizes", "1", "3", "--structured-max-tokens", "256", "--repeats", "2", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["structured"], r["batch"]) for r in rows] == [(False, 1), (True, 1), (False, 3), (True, 3)]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["steps"] >= 1 and 0 < r["mean_batch"] <= r["batch"]
+        assert 0 < r["sample_ms_per_step"] < r["ms_per_step"] and 0 < r["sample_share"] < 1
+        assert r["schema"] == schema and r["max_tokens"] == 256 and r["preemptions"] == 0
+        assert len(r["all_ms_per_step"]) == 2
+        assert r["prefill_steps"] == 1  # the token budget holds the 3 prompts (over 512 tokens) at once
+    for free, constrained in (rows[0:2], rows[2:4]):
+        assert "mask_overhead" not in free
+        pairs = [c / u - 1 for c, u in zip(constrained["all_ms_per_step"], free["all_ms_per_step"])]
+        assert constrained["all_mask_overhead"] == pytest.approx(pairs, abs=2e-3)
+        assert constrained["mask_overhead"] == pytest.approx(sum(pairs) / 2, abs=2e-3)  # the median of two
+        assert constrained["sample_overhead_share"] == pytest.approx(
+            constrained["sample_overhead_ms"] / free["ms_per_step"], abs=2e-3)
+        assert constrained["output_tokens"] < 256 * constrained["batch"]  # the grammar ends each row early
+        assert (free["output_tokens"], free["steps"], free["mean_batch"]) == (
+            constrained["output_tokens"], constrained["steps"], constrained["mean_batch"])
+        assert constrained["grammar_finished"] == constrained["json_parsed"] == constrained["batch"]
+        assert constrained["grammar_errors"] == 0 and constrained["grammar_compiles"] == 1
+    warm, timed = runs[:2], runs[2:]
+    assert [[p.max_tokens for _, p in q] for q, _ in warm] == [[4, 4], [4, 4]]
+    assert [(len(q), q[0][1].structured_outputs is not None) for q, _ in timed] == [
+        (1, True), (1, False)] * 2 + [(3, True), (3, False)] * 2
+    for (_, constrained), (twins, free) in zip(timed[0::2], timed[1::2]):
+        assert constrained.finish_reasons == ["stop"] * len(constrained.texts)
+        for text in constrained.texts:
+            jsonschema.validate(json.loads(text), FLAG_SCHEMA)
+        assert [p.max_tokens for _, p in twins] == constrained.output_lengths == free.output_lengths
+        assert constrained.decode_steps == free.decode_steps == max(free.output_lengths) - 1
+
+
+@pytest.mark.parametrize("write, extra, message", [
+    (None, [], "cannot read it (No such file or directory)"),
+    ("{not json", [], "is not JSON (Expecting property name"),
+    ('{"type": "objectx"}', [], "json is not a JSON schema pagedlm can follow: "),
+    (json.dumps(FLAG_SCHEMA), ["--random-weights"], "--json-schema needs the model's own tokenizer"),
+    (json.dumps(FLAG_SCHEMA), ["--against", "hf"], "not with --against"),
+    (json.dumps(FLAG_SCHEMA), ["--structured-batch-sizes", "0"], "--structured-batch-sizes must be >= 1"),
+])
+def test_bad_json_schema_file_is_one_line_exit_2(tmp_path, capsys, write, extra, message):
+    path = tmp_path / "s.json"
+    if write is not None:
+        path.write_text(write)
+    argv = ["bench", "throughput", "--device", "cpu", "--json-schema", str(path), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
+    if write is None or extra == []:
+        assert err.startswith(f"pagedlm bench throughput: --json-schema {path}")
+
+
+def test_structured_flags_need_a_json_schema(capsys):
+    assert main(["bench", "throughput", "--device", "cpu", "--structured-batch-sizes", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "need --json-schema" in err
