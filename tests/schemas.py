@@ -1,8 +1,8 @@
 """The structured-output test corpus: 50+ JSON schemas (scalars with bounds,
 lengths, patterns and formats; enums and consts; unions; arrays; nested,
 closed and partly required objects; $ref, recursion, allOf), regexes and
-choice lists. Shared by tests/fast/test_structured.py (a random walk through
-each grammar) and tests/weights/test_structured_models.py (the real models).
+choice lists. Used by tests/fast/test_structured.py (a random walk through
+each grammar); kept apart so that a real-model test can share it (issue 22).
 """
 
 STR = {"type": "string"}
