@@ -15,6 +15,22 @@ from pagedlm.cache.kv import causal_mask
 from pagedlm.cache.step import StepBatch
 
 
+class Planned:
+    """A backend that builds one ``StepPlan`` per step, when the step's first
+    layer attends, and drops it in ``end_step``."""
+
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+
+    def end_step(self) -> None:
+        self._plan = None
+
+    def _plan_for(self, step: StepBatch, device) -> "StepPlan":
+        if self._plan is None or self._plan.step is not step:
+            self._plan = StepPlan(step, device)
+        return self._plan
+
+
 class StepPlan:
     """Which rows decode (one query) and which prefill, and their masks, built once."""
 
@@ -26,7 +42,14 @@ class StepPlan:
         self.prefill = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] > 1)
         self.decode_tokens = torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=device)
         self.decode_lens = tuple(step.seq_lens_host[r] for r in self.decode)
+        self.max_query_len = max(b - a for a, b in zip(bounds, bounds[1:]))
         self._masks: dict = {}
+
+    @functools.cached_property
+    def query_start(self) -> torch.Tensor:
+        """Where each row's queries start in the step, and the end ``[B + 1]``
+        (int32, on the device: the multi-query kernel finds its rows there)."""
+        return torch.tensor(self.step.query_start_host, dtype=torch.int32, device=self.step.seq_lens.device)
 
     @functools.cached_property
     def decode_tables(self) -> torch.Tensor:

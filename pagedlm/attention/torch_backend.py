@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from pagedlm.attention.plan import StepPlan
+from pagedlm.attention.plan import Planned
 from pagedlm.attention.sdpa import attend_row, attend_rows
 from pagedlm.cache.step import StepBatch
 
@@ -29,12 +29,9 @@ if TYPE_CHECKING:
     from pagedlm.cache.store import KVStore
 
 
-class TorchBackend:
+class TorchBackend(Planned):
     name = "torch"
     in_place = False
-
-    def __init__(self) -> None:
-        self._plan: StepPlan | None = None
 
     def attend(self, store: "KVStore", layer: int, q: torch.Tensor, step: StepBatch, *,
                scale: float) -> torch.Tensor:
@@ -53,16 +50,8 @@ class TorchBackend:
             out[a:b] = self._attend_one(store, layer, q[a:b], plan, r, fetched, scale)
         return out
 
-    def end_step(self) -> None:
-        self._plan = None
-
     def can_capture(self, step: StepBatch) -> bool:
         return False
-
-    def _plan_for(self, step: StepBatch, device) -> StepPlan:
-        if self._plan is None or self._plan.step is not step:
-            self._plan = StepPlan(step, device)
-        return self._plan
 
     def _attend_one(self, store, layer, q, plan, r, fetched, scale) -> torch.Tensor:
         """A row with several queries (a prompt chunk): its keys, its mask, SDPA."""

@@ -1,13 +1,18 @@
 """The kernels' backend (``--attention-backend triton``): ``TritonBackend``.
 
 Attention reads the pools in place (``in_place``): the layout pages every
-layer, sliding ones too (the kernel bounds them by their window; their
-blocks are not reclaimed behind it), and decode rows attend where their
-keys lie through ``kernels.paged_attention.paged_decode``. A step whose
-rows all decode is then nothing but fixed-shape launches over the step's
-device tensors, nothing read on the host: those are the steps a CUDA graph
-may capture (``can_capture``). Prompt chunks still gather their blocks and
-call SDPA, as the reference backend does.
+layer, sliding ones too (the kernels bound them by their window; their
+blocks are not reclaimed behind it). Two kernels of
+``kernels.paged_attention`` serve every row, reading its blocks where they
+lie:
+
+- a step whose rows all decode (one query each) is ``paged_decode`` alone,
+  fixed-shape launches over the step's device tensors with nothing read on
+  the host: those are the steps a CUDA graph may capture (``can_capture``);
+- any other step (prompt chunks, chunks after a cached prefix, verify rows of
+  a few queries) is one ``paged_prefill`` launch per layer for every row of
+  several queries, plus one ``paged_decode`` for the step's decode rows when
+  it has some: a fixed number of launches, whatever the rows.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedlm.attention.torch_backend import TorchBackend
+from pagedlm.attention.plan import Planned
 from pagedlm.cache.step import StepBatch
 from pagedlm.kernels import paged_attention
 
@@ -24,25 +29,23 @@ if TYPE_CHECKING:
     from pagedlm.cache.store import KVStore
 
 
-class TritonBackend(TorchBackend):
+class TritonBackend(Planned):
     name = "triton"
     in_place = True
 
     def attend(self, store: "KVStore", layer: int, q: torch.Tensor, step: StepBatch, *,
                scale: float) -> torch.Tensor:
-        if self.can_capture(step):  # every row decodes: the kernel alone, no plan
-            return self._in_place(store, layer, q, step.block_tables, step.seq_lens, scale)
-        return super().attend(store, layer, q, step, scale=scale)
+        pools, window = store.pools, store.layout.specs[layer].window
+        k, v, scales = pools.k[layer], pools.v[layer], pools.scales(layer)
+        if self.can_capture(step):  # every row decodes: the decode kernel alone, no plan
+            return paged_attention.paged_decode(q, k, v, step.block_tables, step.seq_lens, scale, window, scales)
+        plan = self._plan_for(step, q.device)
+        out = paged_attention.paged_prefill(q, k, v, step.block_tables, plan.query_start, step.seq_lens, scale,
+                                            plan.max_query_len, window, scales, min_queries=2 if plan.decode else 1)
+        if plan.decode:  # one-query rows beside the chunks: split over their keys, as when they decode alone
+            out[plan.decode_tokens] = paged_attention.paged_decode(
+                q[plan.decode_tokens], k, v, plan.decode_tables, plan.decode_seq_lens, scale, window, scales)
+        return out
 
     def can_capture(self, step: StepBatch) -> bool:
         return step.num_tokens == len(step.seq_ids)
-
-    def _decode(self, store, layer, q, plan, fetched, scale) -> torch.Tensor:
-        """The step's decode rows, in place beside its prompt chunks."""
-        return self._in_place(store, layer, q, plan.decode_tables, plan.decode_seq_lens, scale)
-
-    def _in_place(self, store, layer, q, block_tables, seq_lens, scale) -> torch.Tensor:
-        """Decode rows reading their blocks where they lie (``paged_decode``)."""
-        pools = store.pools
-        return paged_attention.paged_decode(q, pools.k[layer], pools.v[layer], block_tables, seq_lens, scale,
-                                            store.layout.specs[layer].window, pools.scales(layer))

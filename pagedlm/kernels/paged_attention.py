@@ -58,6 +58,9 @@ WARPS = 4  # warps per decode program
 PAIRED_SCALES = 1  # 8-bit head-major pools: scales load as 32-bit pairs (asynchronously)
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
+PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most (64 for head dim 256)
+PREFILL_BLOCK_N = 64  # ... and keys a tile
+PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
 
 
 def available(device: torch.device | str) -> bool:
@@ -268,6 +271,84 @@ if triton is not None:
         tl.store(Out + b * stride_ob + h * stride_oh + d, (acc / total).to(Out.dtype.element_ty))
 
 
+    @triton.jit
+    def _row_of_tile(QueryStart, num_rows, tile, BLOCK_Q: tl.constexpr):
+        """The row whose query tiles hold ``tile``: row ``r``'s tiles start at
+        ``QueryStart[r] // BLOCK_Q + r`` (at least as many as it needs), so
+        the last row whose start is at most ``tile``, by bisection."""
+        lo = 0
+        hi = num_rows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(QueryStart + mid) // BLOCK_Q + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _prefill_kernel(
+        Q, KPool, VPool, KScale, VScale, Tables, QueryStart, SeqLens, Out,
+        stride_qt, stride_qh, stride_tb, stride_ot, stride_oh,
+        sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+        scale, window, num_rows, min_queries,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = _row_of_tile(QueryStart, num_rows, tile, BLOCK_Q)
+        q_begin = tl.load(QueryStart + r)
+        q_len = tl.load(QueryStart + r + 1) - q_begin
+        q0 = (tile - (q_begin // BLOCK_Q + r)) * BLOCK_Q  # this tile's first query in its row
+        if q0 < q_len and q_len >= min_queries:
+            seq_len = tl.load(SeqLens + r)
+            ctx = seq_len - q_len  # keys before the row's first query
+            # M = BLOCK_Q queries x G_PAD heads of the group: row m is query m // G_PAD, head m % G_PAD.
+            m = tl.arange(0, BLOCK_Q * G_PAD)
+            qi = q0 + m // G_PAD
+            g = m % G_PAD
+            mmask = (qi < q_len) & (g < G)
+            pos = ctx + qi
+            d = tl.arange(0, D)
+            heads = kvh * G + g
+            q_at = (q_begin + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+            q = tl.load(Q + q_at, mask=mmask[:, None], other=0.0)
+            last = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last query position
+            lo = tl.maximum(ctx + q0 - window + 1, 0)
+            m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+            acc = tl.zeros([BLOCK_Q * G_PAD, D], tl.float32)
+            for start in range((lo // BLOCK_N) * BLOCK_N, last, BLOCK_N):
+                toks = start + tl.arange(0, BLOCK_N)
+                kmask = (toks < last) & (toks >= lo)
+                block = tl.load(Tables + r * stride_tb + toks // BS, mask=kmask, other=0).to(tl.int64)
+                off = toks % BS
+                k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
+                v_at = (block * sv_block + off * sv_tok + kvh * sv_head)[:, None] + d[None, :] * sv_dim
+                k = tl.load(KPool + k_at, mask=kmask[:, None], other=0.0).to(Q.dtype.element_ty)
+                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                if QUANT:  # 8-bit codes are exact in the query's dtype; a key's scale multiplies its scores
+                    s_at = block * ss_block + off * ss_tok + kvh * ss_head
+                    qk = qk * tl.load(KScale + s_at, mask=kmask, other=0.0).to(tl.float32)[None, :]
+                seen = (toks[None, :] <= pos[:, None]) & (pos[:, None] - toks[None, :] < window) & kmask[None, :]
+                qk = tl.where(seen, qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this tile
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(qk - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if QUANT:  # ... and a value's scale its probability
+                    p = p * tl.load(VScale + s_at, mask=kmask, other=0.0).to(tl.float32)[None, :]
+                v = tl.load(VPool + v_at, mask=kmask[:, None], other=0.0).to(Q.dtype.element_ty)
+                acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v, input_precision=PRECISION)
+                m_i = m_new
+            # Every query sees its own key: l_i > 0 on the rows stored.
+            out = acc / tl.where(mmask, l_i, 1.0)[:, None]
+            o_at = (q_begin + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(Out + o_at, out.to(Out.dtype.element_ty), mask=mmask[:, None])
+
+
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None, *,
              fmt: str = "none", qmax: float = 0.0) -> None:
@@ -406,5 +487,66 @@ def paged_decode(
         part, lse, out, seq_lens,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), _window(window), D=D, SPLIT=SPLIT, CHUNK=MERGE_CHUNK,
+    )
+    return out
+
+
+def prefill_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size: int, quant: bool,
+                      max_query_len: int) -> dict:
+    """The multi-query kernel's compile-time constants: a tile is BLOCK_Q
+    queries times the group's heads (padded to a power of two), at most
+    PREFILL_BLOCK_M rows (half that for head dim 256), and no more queries
+    than the step's longest row needs: a verify row of a few queries does not
+    pay for a prompt chunk's tile."""
+    g_pad = triton.next_power_of_2(group)
+    block_m = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M // 2
+    block_q = max(1, min(block_m // g_pad, triton.next_power_of_2(max_query_len)))
+    block_q = max(block_q, -(-MIN_DOT // g_pad))  # tl.dot wants 16 rows at least
+    return dict(G=group, G_PAD=g_pad, D=head_dim, BS=block_size, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    window: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    min_queries: int = 1,
+) -> torch.Tensor:
+    """Causal attention of rows with any number of queries over their paged
+    keys, varlen: ``q`` ``[T, H_q, D]`` is the rows' queries one row after
+    another, row ``r``'s from ``query_start[r]`` to ``query_start[r + 1]``
+    (``[B + 1]``, on the device), ``seq_lens`` ``[B]`` its keys after this
+    step (its queries are its last ``q_len`` positions, so a chunk after a
+    cached prefix starts mid-sequence), ``block_tables`` ``[B, W]``. The
+    query at position ``p`` sees keys ``j <= p`` with ``p - j < window``.
+    ``max_query_len`` (from the host) sizes the tiles, never the grid's
+    meaning. Rows with fewer than ``min_queries`` queries are left alone in
+    ``out`` (the decode kernel takes them). 8-bit pools with ``scales`` as
+    in ``paged_decode``. One launch: the grid is ``T // BLOCK_Q + B`` tiles
+    (each row's tiles found in the kernel) by KV heads, computed from shapes,
+    never from a device read."""
+    T, Hq, D = q.shape
+    _, BS, Hkv, _ = k_pool.shape
+    B = block_tables.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    consts = prefill_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, max_query_len)
+    k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
+    grid = (T // consts["BLOCK_Q"] + B, Hkv)
+    _prefill_kernel[grid](
+        q, k_pool, v_pool, k_scale, v_scale, block_tables, query_start, seq_lens, out,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
+        scale, _window(window), B, min_queries, **consts,
+        num_warps=PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else WARPS,
     )
     return out

@@ -38,6 +38,30 @@ def paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, scale, win
     return out
 
 
+def paged_prefill_reference(q, k_pool, v_pool, block_tables, query_start, seq_lens, scale,
+                            window=None) -> torch.Tensor:
+    """What ``paged_prefill`` computes, row by row in float64: row ``r``'s
+    queries are its last positions, each sees the keys at or before it
+    (and inside ``window``)."""
+    T, Hq, D = q.shape
+    BS, Hkv = k_pool.shape[1], k_pool.shape[2]
+    out = torch.empty((T, Hq, D), dtype=torch.float64, device=q.device)
+    for r in range(len(seq_lens)):
+        a, b, n = int(query_start[r]), int(query_start[r + 1]), int(seq_lens[r])
+        toks = torch.arange(n, device=q.device)
+        slots = block_tables[r, toks // BS].long() * BS + toks % BS
+        k = k_pool.reshape(-1, Hkv, D)[slots].double().repeat_interleave(Hq // Hkv, dim=1)
+        v = v_pool.reshape(-1, Hkv, D)[slots].double().repeat_interleave(Hq // Hkv, dim=1)
+        pos = torch.arange(n - (b - a), n, device=q.device)
+        scores = torch.einsum("thd,nhd->htn", q[a:b].double(), k) * scale
+        seen = toks[None, :] <= pos[:, None]
+        if window is not None:
+            seen &= pos[:, None] - toks[None, :] < window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        out[a:b] = torch.einsum("htn,nhd->thd", scores.softmax(-1), v)
+    return out
+
+
 def write_kv_reference(keys, values, k_pool, v_pool, slot_mapping) -> None:
     """What ``write_kv`` does (unquantized), in torch."""
     keep = slot_mapping >= 0

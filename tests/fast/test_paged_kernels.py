@@ -16,7 +16,8 @@ import torch
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.kernels import paged_attention as pa
 from pagedlm.params import SamplingParams
-from tests.fast.kernel_refs import paged_decode_reference, requires_triton, write_kv_reference
+from tests.fast.kernel_refs import (paged_decode_reference, paged_prefill_reference, requires_triton,
+                                   write_kv_reference)
 from tests.helpers import DEVICE, WINDOW, CharTokenizer, paged, paged_inputs, prompts, rel_err, run_all, tiny_model
 
 pytestmark = requires_triton
@@ -77,6 +78,90 @@ def test_decode_row_ignores_neighbours_table_width_and_program_count(window):
     for programs in (1, 3, 16):  # a program takes 17, 5-6 or 1-2 of the long row's splits
         assert torch.equal(pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, window,
                                            programs=programs), together)
+
+
+def varlen_queries(q_lens, hq, d, dtype, seed=0):
+    """``[sum(q_lens), hq, d]`` random queries and their ``query_start``, on `DEVICE`."""
+    g = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype).to(DEVICE)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(DEVICE)
+    return q, starts
+
+
+def poisoned(q):
+    return torch.full_like(q, float("nan"))
+
+
+@pytest.mark.parametrize("block_size,lengths,q_lens,hq,hkv,d", [
+    (16, [40, 1, 300, 17], [40, 1, 70, 5], 8, 2, 64),  # a whole prompt, a decode row, chunks after a prefix
+    (8, [100, 9], [100, 2], 4, 4, 64),                 # GQA 1, a verify-sized row
+    (64, [257, 130], [257, 3], 16, 1, 64),             # GQA 16: a tile is 8 queries of 16 heads
+    (128, [600, 64], [200, 64], 6, 2, 256),            # GQA 3 (padded to 4), head dim 256
+    (256, [700, 31], [129, 31], 8, 1, 128),            # big blocks
+    (512, [1100, 40], [90, 40], 4, 2, 64),             # a chunk whose keys start mid-block
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_matches_float64_reference(block_size, lengths, q_lens, hq, hkv, d, dtype):
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, dtype)
+    q, starts = varlen_queries(q_lens, hq, d, dtype)
+    out = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, d**-0.5, max(q_lens), out=poisoned(q))
+    ref = paged_prefill_reference(q, k_pool, v_pool, tables, starts, seq_lens, d**-0.5)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 300])
+def test_prefill_sliding_window_skips_old_keys(window):
+    lengths, q_lens = [700, 260, 30], [150, 260, 7]
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 4, 1, 64, torch.float32, seed=window)
+    q, starts = varlen_queries(q_lens, 4, 64, torch.float32, seed=window)
+    out = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, 260, window=window)
+    ref = paged_prefill_reference(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, window=window)
+    full = paged_prefill_reference(q, k_pool, v_pool, tables, starts, seq_lens, 0.125)
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out[:150], full[:150]) > 1e-2  # the window really changed the long row
+
+
+def test_prefill_one_query_rows_agree_with_the_decode_kernel():
+    """A row of one query is a decode row: both kernels give it the same
+    attention (within float32 rounding: they split its keys differently)."""
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs([1, 300, 700], 16, 8, 2, 64, torch.float32, seed=4)
+    starts = torch.arange(4, device=DEVICE)
+    out = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, 1)
+    assert rel_err(out, pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125).double()) < 1e-6
+
+
+def test_prefill_row_ignores_neighbours_and_table_width():
+    """A row's bits do not depend on the rows beside it in the step nor on
+    how wide its table is padded, and rows below ``min_queries`` are left
+    exactly as they were (the decode kernel writes them)."""
+    lengths, q_lens = [500, 33, 90], [100, 1, 90]
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 8, 2, 64, torch.float32, seed=6)
+    q, starts = varlen_queries(q_lens, 8, 64, torch.float32, seed=6)
+    together = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, 100)
+    wide = torch.cat([tables, torch.full((3, 300), -1, device=tables.device)], dim=1)
+    assert torch.equal(pa.paged_prefill(q, k_pool, v_pool, wide, starts, seq_lens, 0.125, 100), together)
+    last = pa.paged_prefill(q[101:], k_pool, v_pool, tables[2:], starts[2:] - 101, seq_lens[2:], 0.125, 100)
+    assert torch.equal(last, together[101:])
+    skipped = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, 100, out=poisoned(q),
+                               min_queries=2)
+    assert skipped[100].isnan().all() and torch.equal(skipped[:100], together[:100])
+    assert torch.equal(skipped[101:], together[101:])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_prefill_reads_int8_blocks_in_registers(block_size):
+    """On 8-bit codes and their scales (head-major, as the store lays them)
+    the kernel attends over exactly what the reference path dequantizes."""
+    lengths, q_lens = [300, 45, 9], [60, 45, 3]
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, 8, 2, 64, torch.float32, seed=8)
+    q, starts = varlen_queries(q_lens, 8, 64, torch.float32, seed=8)
+    (kc, ks, k_deq), (vc, vs, v_deq) = quantized_pools(k_pool, v_pool, "int8")
+    out = pa.paged_prefill(q, kc, vc, tables, starts, seq_lens, 0.125, 60, scales=(ks, vs))
+    ref = paged_prefill_reference(q, k_deq, v_deq, tables, starts, seq_lens, 0.125)
+    assert rel_err(out, ref) < 1e-5
+    exact = paged_prefill_reference(q, k_pool, v_pool, tables, starts, seq_lens, 0.125)
+    assert 1e-5 < rel_err(out, exact) < 2e-2  # int8 noise, not nothing and not garbage
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedlm.kernels import paged_attention as pa
-from tests.fast.kernel_refs import paged_decode_reference, write_kv_reference
+from tests.fast.kernel_refs import paged_decode_reference, paged_prefill_reference, write_kv_reference
 from tests.helpers import paged_inputs, rel_err
 
 pytestmark = [
@@ -32,6 +32,41 @@ def test_decode_full_size(shape, block_size, dtype):
     out = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, d**-0.5, window)
     ref = paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, d**-0.5, window)
     assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_full_size(shape, block_size, dtype):
+    """Whole prompts, chunks after a cached prefix (some past the window),
+    verify-sized rows and a decode row, in one launch."""
+    hq, hkv, d, window = SHAPES[shape]
+    lengths = [1024, 4097, 700, 2000, 9, 513]
+    q_lens = [1024, 512, 300, 5, 9, 1]
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=block_size)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", generator=g).to(dtype)
+    starts = torch.tensor([0, *q_lens], device="cuda").cumsum(0)
+    out = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, d**-0.5, max(q_lens), window)
+    ref = paged_prefill_reference(q, k_pool, v_pool, tables, starts, seq_lens, d**-0.5, window)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_prefill_reads_8bit_blocks_full_size(mode):
+    from pagedlm.cache import kv_quant as kvq
+
+    hq, hkv, d, _ = SHAPES["llama-8b"]
+    lengths, q_lens = [2048, 600, 7], [2048, 100, 7]
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, hq, hkv, d, torch.bfloat16)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda").bfloat16()
+    starts = torch.tensor([0, *q_lens], device="cuda").cumsum(0)
+    (kc, ks), (vc, vs) = kvq.quantize_pools(k_pool, v_pool, mode)
+    out = pa.paged_prefill(q, kc, vc, tables, starts, seq_lens, d**-0.5, 2048, scales=(ks, vs))
+    ref = paged_prefill_reference(q, kvq.dequantize(kc, ks, torch.bfloat16), kvq.dequantize(vc, vs, torch.bfloat16),
+                                  tables, starts, seq_lens, d**-0.5)
     assert rel_err(out, ref) < 1e-2
 
 
