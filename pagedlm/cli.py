@@ -93,7 +93,8 @@ def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged-kv", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"page full-attention KV caches (env {opt.PAGED_KV_ENV}=1|0; default off)")
+                   help=f"page the KV cache in blocks (env {opt.PAGED_KV_ENV}=1|0; default on for CUDA, "
+                        f"off on the CPU)")
     p.add_argument("--paged-kv-block-size", default=None, metavar="N",
                    help=f"tokens per KV block (default {opt.DEFAULT_BLOCK_SIZE})")
     p.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-prompts", action=_AtLeast, default=256, help="prompts in the batch")
     t.add_argument("--min-len", action=_AtLeast, default=100, help="shortest prompt and output, tokens")
     t.add_argument("--max-len", action=_AtLeast, default=1024, help="longest prompt and output, tokens")
+    t.add_argument("--output-len", action=_AtLeast, default=None, metavar="N",
+                   help="every output N tokens (default: uniform like the prompts); 1: a prefill-heavy run")
     t.add_argument("--seed", type=int, default=0, help="seeds the prompts and lengths")
     t.add_argument("--repeats", action=_AtLeast, default=1,
                    help="runs per configuration, interleaved; medians reported")

@@ -114,11 +114,17 @@ def resolve_paged_kv(
     block_size: int | str | None,
     environ: Mapping[str, str] | None = None,
     prefix_caching: bool | None = None,
+    device: str | None = None,
 ) -> PagedKvOptions | None:
     """Explicit CLI flag > explicit PAGEDLM_PAGED_KV (PAGEDLM_PREFIX_CACHING)
-    > default (paging off; prefix caching on with paging)."""
+    > the device's default: paging on CUDA (where the kernels read the pools
+    in place and the decode step replays as a CUDA graph), off elsewhere
+    (the CPU's row caches are as fast and need no block tables); prefix
+    caching on with paging."""
     env = os.environ if environ is None else environ
     on = flag if flag is not None else env_flag(PAGED_KV_ENV, env)
+    if on is None:
+        on = device is not None and device.startswith("cuda")
     set_by = {}
     if prefix_caching is None:
         prefix_caching = env_flag(PREFIX_CACHING_ENV, env)
@@ -205,7 +211,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "block size without paging",
         lambda s: not s.get("paged_kv") and s.get("paged_kv_block_size") is not None,
-        "--paged-kv-block-size needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
+        "--paged-kv-block-size needs --paged-kv (or PAGEDLM_PAGED_KV=1; paging is the default on CUDA only)",
     ),
     Refusal(
         "prefix caching without paging",
@@ -247,7 +253,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "triton attention without paging",
         lambda s: s.get("attention_backend") == "triton" and not s.get("paged_kv"),
-        "--attention-backend triton reads the paged pools; add --paged-kv",
+        "--attention-backend triton reads the paged pools; add --paged-kv (the default on CUDA; --no-paged-kv turns it off)",
     ),
     Refusal(
         "triton attention without triton",
@@ -263,7 +269,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "KV quantization without paging",
         lambda s: s.get("kv_quant", "none") != "none" and not s.get("paged_kv"),
-        "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1)",
+        "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1; the default on CUDA)",
     ),
 )
 
@@ -407,7 +413,7 @@ def resolve_engine_options(
     env = os.environ if environ is None else environ
     values, set_by = _flags_or_env(ENGINE_FLAGS, flags, env)
     paged = resolve_paged_kv(flags.get("paged_kv"), flags.get("paged_kv_block_size"), env,
-                             flags.get("prefix_caching"))
+                             flags.get("prefix_caching"), device)
     check_refusals({**values, "device": device, "paged_kv": paged is not None}, set_by)
     return EngineOptions(paged_kv=paged, **values, **fixed)
 

@@ -107,6 +107,22 @@ def paged_configs(engine_options: opt.EngineOptions, device: str) -> dict[str, o
     return {"paged": engine_options}
 
 
+def shared_budget(engine_options: opt.EngineOptions, device: str, engines: int) -> opt.EngineOptions:
+    """For a bench that keeps ``engines`` engines (transformers' counted as
+    one) alive at once on CUDA: each its equal share of the fraction of free
+    memory (``--gpu-memory-fraction``, default 0.9) as an explicit KV budget.
+    Left to themselves, the first would take 0.9 of the free memory and each
+    next one 0.9 of what is left, starving the last of room for its CUDA
+    graphs. An explicit --kv-budget-bytes or --gpu-memory-utilization stands."""
+    if (not device.startswith("cuda") or engine_options.kv_budget_bytes is not None
+            or engine_options.gpu_memory_utilization is not None):
+        return engine_options
+    fraction = engine_options.gpu_memory_fraction or opt.DEVICE_DEFAULTS["cuda"]["gpu_memory_fraction"]
+    free, _ = torch.cuda.mem_get_info(device)
+    return dataclasses.replace(engine_options, kv_budget_bytes=int(free * fraction) // engines,
+                               gpu_memory_fraction=None)
+
+
 def fastest_config(engine_options: opt.EngineOptions, device: str) -> opt.EngineOptions:
     """Where a bench's quantized-weights row runs: the fastest store asked
     for (the last of ``paged_configs``, else the default store), with

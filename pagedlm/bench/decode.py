@@ -29,7 +29,7 @@ from ..cache.layout import kv_bytes
 from ..loading.catalog import BUILTINS
 from ..models.layers import Embedding
 from ..params import SamplingParams
-from .common import default_store, fastest_config, hf_model, load_for_bench, paged_configs
+from .common import default_store, fastest_config, hf_model, load_for_bench, paged_configs, shared_budget
 
 FILLER = (
     "The history of the printing press begins in the fifteenth century, when movable type "
@@ -186,6 +186,9 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         engine_options = dataclasses.replace(
             engine_options, paged_kv=dataclasses.replace(engine_options.paged_kv, prefix_caching=False))
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
+    alive = (1 + len(paged_configs(engine_options, device)) + (engine_options.kv_quant != "none")
+             + (quantization != "none") + (args.against == "hf"))
+    engine_options = shared_budget(engine_options, device, alive)  # every runner lives through the rounds
     kv_quant = engine_options.kv_quant
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
     runners: dict[str, Callable] = {

@@ -1,9 +1,11 @@
 """`pagedlm bench throughput`: offline batched throughput, nano-vllm's workload.
 
 ``--num-prompts`` prompts of random token ids, input and output lengths each
-uniform in ``[--min-len, --max-len]`` (seeded), end-of-sequence ignored, all
-handed to ``LLM.generate`` at once. Reported: total output tokens / elapsed
-seconds, the KV figures of the run (mean bytes allocated, mean bytes holding
+uniform in ``[--min-len, --max-len]`` (seeded; ``--output-len N`` fixes every
+output instead: ``--output-len 1`` makes the run nearly all prefill),
+end-of-sequence ignored, all handed to ``LLM.generate`` at once. Reported:
+total output tokens / elapsed seconds, (prompt + output tokens) / elapsed
+seconds (``total_tok_s``, vLLM's "total tokens/s"), the KV figures of the run (mean bytes allocated, mean bytes holding
 live tokens, their ratio, preemptions), and the attention backend the
 engine ran (``attention_backend``: ``torch`` or ``triton``, as resolved from
 ``--attention-backend``).
@@ -50,16 +52,20 @@ from .common import default_store, fastest_config, hf_model, load_for_bench, pag
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 
 
-def make_workload(num_prompts: int, min_len: int, max_len: int, seed: int, vocab_size: int) -> Workload:
+def make_workload(num_prompts: int, min_len: int, max_len: int, seed: int, vocab_size: int,
+                  output_len: int | None = None) -> Workload:
     """nano-vllm's bench: token ids uniform in [0, 10000) (or the vocabulary,
-    if smaller), input and output lengths each uniform in [min_len, max_len]."""
+    if smaller), input and output lengths each uniform in [min_len, max_len];
+    every output ``output_len`` tokens when given (the prompts, and so the
+    random draws of their ids, stay the same)."""
     rng = random.Random(seed)
     top = min(10000, vocab_size)
     work = []
     for _ in range(num_prompts):
         n_in = rng.randint(min_len, max_len)
         prompt = [rng.randrange(top) for _ in range(n_in)]
-        work.append((prompt, rng.randint(min_len, max_len)))
+        n_out = rng.randint(min_len, max_len)
+        work.append((prompt, n_out if output_len is None else output_len))
     return work
 
 
@@ -233,7 +239,7 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
     _check(args)
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     vocab = model.args.vocab_size if hasattr(model.args, "vocab_size") else 10000
-    work = make_workload(args.num_prompts, args.min_len, args.max_len, args.seed, vocab)
+    work = make_workload(args.num_prompts, args.min_len, args.max_len, args.seed, vocab, args.output_len)
     hf_work = work[: args.hf_num_prompts] if args.hf_num_prompts else work
 
     paged = engine_options.paged_kv
@@ -305,7 +311,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
     base = {
         "model": spec, "random_weights": bool(args.random_weights), "device": device,
         "dtype": str(dtype).removeprefix("torch."), "num_prompts": len(work),
-        "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed,
+        "min_len": args.min_len, "max_len": args.max_len, "output_len": args.output_len, "seed": args.seed,
         "input_tokens": sum(len(p) for p, _ in work), "requested_output_tokens": sum(n for _, n in work),
         "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
@@ -327,6 +333,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
                "attention_backend": ran[name]["attention_backend"],
                "kv_quant": options.kv_quant, "quantization": name if name in opt.QUANTIZATIONS else "none",
                "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
+               "total_tok_s": round((base["input_tokens"] + r.output_tokens) / r.seconds, 2),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
                "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
@@ -366,7 +373,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
             continue
         line = (f"{row['name']:16s} {row['num_prompts']} prompts, lengths {args.min_len}..{args.max_len}: "
                 f"{row['output_tokens']} output tokens in {row['elapsed_s']:.2f} s = "
-                f"{row['output_tok_s']:.1f} tok/s | KV live {100 * row['kv_live_fraction']:.1f}% of "
+                f"{row['output_tok_s']:.1f} tok/s ({row['total_tok_s']:.0f} tok/s with the prompts) | KV live {100 * row['kv_live_fraction']:.1f}% of "
                 f"{row['kv_bytes_allocated'] / 2**20:.1f} MiB allocated (mean), "
                 f"preemptions {row['preemptions']}")
         if "ratio_vs_default" in row:

@@ -125,6 +125,18 @@ def test_memory_rows_with_kv_quant_admit_more_at_the_same_budget(tiny, capsys):
     assert quant["peak_kv_bytes_allocated"] <= quant["kv_budget_bytes"]
 
 
+def test_throughput_output_len_makes_a_prefill_heavy_run(tiny, capsys):
+    """``--output-len 1``: the same prompts, one output token each; the rows
+    count prompt tokens in ``total_tok_s``."""
+    rows = _paged_throughput_rows(tiny, capsys, "--output-len", "1")
+    (row,) = rows
+    assert row["output_tokens"] == row["requested_output_tokens"] == 4 and row["output_len"] == 1
+    assert row["total_tok_s"] / row["output_tok_s"] == pytest.approx((row["input_tokens"] + 4) / 4, rel=1e-3)
+    (free,) = _paged_throughput_rows(tiny, capsys)
+    assert free["input_tokens"] == row["input_tokens"]  # the same prompts
+    assert free["output_tokens"] > 4 and free["output_len"] is None
+
+
 def _paged_throughput_rows(tiny, capsys, *flags) -> list[dict]:
     """`bench throughput` of 4 short prompts on the paged store only, plus ``flags``."""
     argv = ["bench", "throughput", "--model", tiny, "--random-weights", "--device", "cpu", "--num-prompts", "4",

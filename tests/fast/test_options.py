@@ -4,8 +4,19 @@ from pagedlm import options as opt
 from pagedlm.cli import main
 
 
-def test_paged_kv_is_off_by_default():
+def test_paged_kv_defaults_on_for_cuda_only_and_either_switch_overrides():
     assert opt.resolve_paged_kv(None, None, environ={}) is None
+    assert opt.resolve_paged_kv(None, None, environ={}, device="cpu") is None
+    assert opt.resolve_paged_kv(None, None, environ={}, device="cuda") == opt.PagedKvOptions()
+    assert opt.resolve_paged_kv(None, "64", environ={}, device="cuda") == opt.PagedKvOptions(64)
+    assert opt.resolve_paged_kv(False, None, environ={}, device="cuda") is None
+    assert opt.resolve_paged_kv(None, None, {"PAGEDLM_PAGED_KV": "0"}, device="cuda") is None
+    with pytest.raises(opt.UnsupportedOption, match="default on CUDA only"):
+        opt.resolve_paged_kv(None, "64", environ={}, device="cpu")
+    cuda = opt.resolve_engine_options({"kv_quant": "fp8"}, environ={}, device="cuda")
+    assert cuda.paged_kv == opt.PagedKvOptions() and cuda.kv_quant == "fp8"
+    with pytest.raises(opt.UnsupportedOption, match="--kv-quant"):
+        opt.resolve_engine_options({"kv_quant": "fp8"}, environ={}, device="cpu")
 
 
 def test_env_turns_paged_kv_on_and_flag_overrides_env():
