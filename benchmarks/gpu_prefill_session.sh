@@ -6,7 +6,8 @@
 #   tests     tests/gpu on NOW
 #   kernel    benchmarks/gpu_prefill.py (the kernel against gather + SDPA and contiguous flash SDPA)
 #   workload  the 256-prompt workload (Qwen3-0.6B shape), NOW and BASELINE; NOW also with --kv-quant fp8
-#   prefill   256 prompts of 1024 tokens, one output token each (total_tok_s ~ prefill tok/s)
+#   prefill   256 prompts of 1024 tokens, one output token each (total_tok_s ~ prefill tok/s), NOW:
+#             paged-fused (the kernels) against paged-gather (gather + SDPA) in the same process
 #   profile   benchmarks/gpu_profile.py --workload on NOW (graph vs eager steps)
 #   decode    batch-1 decode, three shapes, --against hf, no KV budget given (the defaults)
 #   hf        the 256-prompt workload on NOW against transformers' continuous batching (HF_PROMPTS of them)
@@ -36,11 +37,12 @@ for round in $(seq "${ROUNDS:-2}"); do
     has workload && bench $tree "$dir" workload.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b \
       --device cuda --num-prompts 256 --min-len 100 --max-len 1024 --seed 0 --paged-kv --stores paged \
       --attention-backend triton "${quant[@]}"
-    has prefill && [ "$round" = 1 ] && bench $tree "$dir" prefill.jsonl 150 throughput --random-weights \
-      --model $M/qwen3-0.6b --device cuda --num-prompts 256 --min-len 1024 --max-len 1024 --output-len 1 \
-      --seed 0 --paged-kv --stores paged --attention-backend triton --repeats 3
   done
 done
+if has prefill; then  # the kernels (paged-fused) against the gather + SDPA path (paged-gather), same process
+  bench now "$NOW" prefill.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda \
+    --num-prompts 256 --min-len 1024 --max-len 1024 --output-len 1 --seed 0 --paged-kv --stores paged --repeats 3
+fi
 if has profile; then
   (cd "$NOW" && PYTHONPATH=. timeout 120 python3 benchmarks/gpu_profile.py --workload) 2>>"$OUT/bench.err" | tee "$OUT/profile.txt"
 fi
@@ -52,7 +54,8 @@ if has decode; then
 fi
 if has hf; then
   bench now "$NOW" hf.jsonl 300 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
-    --min-len 100 --max-len 1024 --seed 0 --stores paged --against hf --hf-num-prompts "${HF_PROMPTS:-64}"
+    --min-len 100 --max-len 1024 --seed 0 --stores paged --attention-backend triton --against hf \
+    --hf-num-prompts "${HF_PROMPTS:-64}"
 fi
 [ -s "$OUT/bench.err" ] && tail -5 "$OUT/bench.err"
 exit 0
