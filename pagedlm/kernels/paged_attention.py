@@ -315,38 +315,74 @@ if triton is not None:
             q_at = (q_begin + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
             q = tl.load(Q + q_at, mask=mmask[:, None], other=0.0)
             last = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last query position
-            lo = tl.maximum(ctx + q0 - window + 1, 0)
+            lo = tl.maximum(ctx + q0 - window + 1, 0)  # the first key any of its queries sees
+            # Key tiles every query of the tile sees whole (past the window's
+            # edge for the last query, before the first query's diagonal)
+            # skip the mask; the tiles before and after them apply it.
+            full_lo = tl.cdiv(tl.maximum(last - window, 0), BLOCK_N) * BLOCK_N
+            full_hi = tl.maximum((ctx + q0 + 1) // BLOCK_N * BLOCK_N, full_lo)
+            first = lo // BLOCK_N * BLOCK_N
             m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
             acc = tl.zeros([BLOCK_Q * G_PAD, D], tl.float32)
-            for start in range((lo // BLOCK_N) * BLOCK_N, last, BLOCK_N):
-                toks = start + tl.arange(0, BLOCK_N)
-                kmask = (toks < last) & (toks >= lo)
-                block = tl.load(Tables + r * stride_tb + toks // BS, mask=kmask, other=0).to(tl.int64)
-                off = toks % BS
-                k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
-                v_at = (block * sv_block + off * sv_tok + kvh * sv_head)[:, None] + d[None, :] * sv_dim
-                k = tl.load(KPool + k_at, mask=kmask[:, None], other=0.0).to(Q.dtype.element_ty)
-                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                if QUANT:  # 8-bit codes are exact in the query's dtype; a key's scale multiplies its scores
-                    s_at = block * ss_block + off * ss_tok + kvh * ss_head
-                    qk = qk * tl.load(KScale + s_at, mask=kmask, other=0.0).to(tl.float32)[None, :]
-                seen = (toks[None, :] <= pos[:, None]) & (pos[:, None] - toks[None, :] < window) & kmask[None, :]
-                qk = tl.where(seen, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this tile
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(qk - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if QUANT:  # ... and a value's scale its probability
-                    p = p * tl.load(VScale + s_at, mask=kmask, other=0.0).to(tl.float32)[None, :]
-                v = tl.load(VPool + v_at, mask=kmask[:, None], other=0.0).to(Q.dtype.element_ty)
-                acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v, input_precision=PRECISION)
-                m_i = m_new
+            row_table = Tables + r * stride_tb
+            for start in range(first, tl.minimum(full_lo, last), BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, start, lo, last, pos, window, row_table, KPool, VPool,
+                                              KScale, VScale, kvh, d, scale, sk_block, sk_tok, sk_head, sk_dim,
+                                              sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+                                              BS, BLOCK_N, PRECISION, QUANT, True)
+            for start in range(tl.maximum(full_lo, first), full_hi, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, start, lo, last, pos, window, row_table, KPool, VPool,
+                                              KScale, VScale, kvh, d, scale, sk_block, sk_tok, sk_head, sk_dim,
+                                              sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+                                              BS, BLOCK_N, PRECISION, QUANT, False)
+            for start in range(tl.maximum(full_hi, first), last, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, start, lo, last, pos, window, row_table, KPool, VPool,
+                                              KScale, VScale, kvh, d, scale, sk_block, sk_tok, sk_head, sk_dim,
+                                              sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+                                              BS, BLOCK_N, PRECISION, QUANT, True)
             # Every query sees its own key: l_i > 0 on the rows stored.
             out = acc / tl.where(mmask, l_i, 1.0)[:, None]
             o_at = (q_begin + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
             tl.store(Out + o_at, out.to(Out.dtype.element_ty), mask=mmask[:, None])
+
+    @triton.jit
+    def _prefill_tile(q, m_i, l_i, acc, start, lo, last, pos, window, row_table, KPool, VPool, KScale, VScale,
+                      kvh, d, scale, sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim,
+                      ss_block, ss_tok, ss_head, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):
+        """One tile of BLOCK_N keys from ``start`` into the running softmax of
+        the tile's queries; ``MASKED``: some query does not see some key."""
+        toks = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kmask = (toks < last) & (toks >= lo)
+        else:
+            kmask = toks < last  # always true here: lets the loads stay unmasked in effect
+        block = tl.load(row_table + toks // BS, mask=kmask, other=0).to(tl.int64)
+        off = toks % BS
+        k_at = (block * sk_block + off * sk_tok + kvh * sk_head)[:, None] + d[None, :] * sk_dim
+        v_at = (block * sv_block + off * sv_tok + kvh * sv_head)[:, None] + d[None, :] * sv_dim
+        k = tl.load(KPool + k_at, mask=kmask[:, None], other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if QUANT:  # 8-bit codes are exact in the query's dtype; a key's scale multiplies its scores
+            s_at = block * ss_block + off * ss_tok + kvh * ss_head
+            qk = qk * tl.load(KScale + s_at, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if MASKED:
+            seen = (toks[None, :] <= pos[:, None]) & (pos[:, None] - toks[None, :] < window) & kmask[None, :]
+            qk = tl.where(seen, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees no key of this tile
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = m_new
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANT:  # ... and a value's scale its probability
+            p = p * tl.load(VScale + s_at, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        v = tl.load(VPool + v_at, mask=kmask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
 
 
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
