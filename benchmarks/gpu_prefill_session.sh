@@ -3,7 +3,7 @@
 # Each tree runs from its own folder (a `git archive`), so that an unfinished
 # working tree never runs: NOW=.now (this commit) and BASELINE=.ab (the commit
 # before the kernel), interleaved round by round.
-#   tests     tests/gpu on NOW
+#   tests     tests/gpu on NOW (GPU_TESTS: other pytest arguments)
 #   kernel    benchmarks/gpu_prefill.py (the kernel against gather + SDPA and contiguous flash SDPA)
 #   workload  the 256-prompt workload (Qwen3-0.6B shape), NOW and BASELINE; NOW also with --kv-quant fp8
 #   prefill   256 prompts of 1024 tokens, one output token each (total_tok_s ~ prefill tok/s), NOW:
@@ -24,7 +24,7 @@ bench() {  # label, tree, output file, limit, bench arguments...
     | grep '^{' | sed "s/^{/{\"tree\": \"$label\", /" | tee -a "$OUT/$file"
 }
 if has tests; then
-  (cd "$NOW" && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu) > "$OUT/gpu_tests.log" 2>&1
+  (cd "$NOW" && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rf ${GPU_TESTS:-tests/gpu}) > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
 fi
 if has kernel; then
