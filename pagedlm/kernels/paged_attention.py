@@ -58,8 +58,8 @@ WARPS = 4  # warps per decode program
 PAIRED_SCALES = 1  # 8-bit head-major pools: scales load as 32-bit pairs (asynchronously)
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
-PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most (64 for head dim 256)
-PREFILL_BLOCK_N = 64  # ... and keys a tile
+PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most (halved for head dim 256)
+PREFILL_BLOCK_N = 128  # ... and keys a tile (halved for head dim 256: 128 x 256 tiles exceed shared memory)
 PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
 
 
@@ -531,14 +531,16 @@ def prefill_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_siz
                       max_query_len: int) -> dict:
     """The multi-query kernel's compile-time constants: a tile is BLOCK_Q
     queries times the group's heads (padded to a power of two), at most
-    PREFILL_BLOCK_M rows (half that for head dim 256), and no more queries
+    PREFILL_BLOCK_M rows by PREFILL_BLOCK_N keys (both halved for head dim
+    256; measured on the H200, ``benchmarks/gpu_prefill.py``), and no more queries
     than the step's longest row needs: a verify row of a few queries does not
     pay for a prompt chunk's tile."""
     g_pad = triton.next_power_of_2(group)
     block_m = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M // 2
     block_q = max(1, min(block_m // g_pad, triton.next_power_of_2(max_query_len)))
     block_q = max(block_q, -(-MIN_DOT // g_pad))  # tl.dot wants 16 rows at least
-    return dict(G=group, G_PAD=g_pad, D=head_dim, BS=block_size, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+    block_n = PREFILL_BLOCK_N if head_dim <= 128 else PREFILL_BLOCK_N // 2
+    return dict(G=group, G_PAD=g_pad, D=head_dim, BS=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant)
 
 
