@@ -61,6 +61,7 @@ MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to
 PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most (halved for head dim 256)
 PREFILL_BLOCK_N = 128  # ... and keys a tile (halved for head dim 256: 128 x 256 tiles exceed shared memory)
 PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
+SHORT_QUERIES = 16  # a step whose rows have at most this many queries (verify rows) takes short tiles
 
 
 def available(device: torch.device | str) -> bool:
@@ -531,15 +532,19 @@ def prefill_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_siz
                       max_query_len: int) -> dict:
     """The multi-query kernel's compile-time constants: a tile is BLOCK_Q
     queries times the group's heads (padded to a power of two), at most
-    PREFILL_BLOCK_M rows by PREFILL_BLOCK_N keys (both halved for head dim
-    256; measured on the H200, ``benchmarks/gpu_prefill.py``), and no more queries
-    than the step's longest row needs: a verify row of a few queries does not
-    pay for a prompt chunk's tile."""
+    PREFILL_BLOCK_M rows by PREFILL_BLOCK_N keys for 256-byte query rows
+    (bf16 at head dim 128; measured on the H200, ``benchmarks/gpu_prefill.py``),
+    both halved for each doubling of the row's bytes (shared memory holds
+    the tiles). Two sizes of tile only, so that a run compiles each once: a
+    step whose rows have at most SHORT_QUERIES queries (verify rows) takes
+    tiles of that many queries, any other the full tile."""
     g_pad = triton.next_power_of_2(group)
-    block_m = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M // 2
-    block_q = max(1, min(block_m // g_pad, triton.next_power_of_2(max_query_len)))
+    shrink = max(1, head_dim * torch.empty((), dtype=q_dtype).element_size() // 256)
+    block_m, block_n = max(MIN_DOT, PREFILL_BLOCK_M // shrink), max(MIN_DOT, PREFILL_BLOCK_N // shrink)
+    block_q = max(1, block_m // g_pad)
+    if max_query_len <= SHORT_QUERIES:
+        block_q = min(block_q, SHORT_QUERIES)
     block_q = max(block_q, -(-MIN_DOT // g_pad))  # tl.dot wants 16 rows at least
-    block_n = PREFILL_BLOCK_N if head_dim <= 128 else PREFILL_BLOCK_N // 2
     return dict(G=group, G_PAD=g_pad, D=head_dim, BS=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
                 PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant)
 
@@ -565,8 +570,8 @@ def paged_prefill(
     step (its queries are its last ``q_len`` positions, so a chunk after a
     cached prefix starts mid-sequence), ``block_tables`` ``[B, W]``. The
     query at position ``p`` sees keys ``j <= p`` with ``p - j < window``.
-    ``max_query_len`` (from the host) sizes the tiles, never the grid's
-    meaning. Rows with fewer than ``min_queries`` queries are left alone in
+    ``max_query_len`` (from the host) picks the tile size, never the
+    grid's meaning. Rows with fewer than ``min_queries`` queries are left alone in
     ``out`` (the decode kernel takes them). 8-bit pools with ``scales`` as
     in ``paged_decode``. One launch: the grid is ``T // BLOCK_Q + B`` tiles
     (each row's tiles found in the kernel) by KV heads, computed from shapes,
