@@ -287,7 +287,9 @@ if triton is not None:
                 hi = mid
         return lo - 1
 
-    @triton.jit
+    # What changes from step to step (the table's width, the row count, ...)
+    # is not specialized on, so that a run compiles the kernel once per tile size.
+    @triton.jit(do_not_specialize=["stride_tb", "scale", "window", "num_rows", "min_queries"])
     def _prefill_kernel(
         Q, KPool, VPool, KScale, VScale, Tables, QueryStart, SeqLens, Out,
         stride_qt, stride_qh, stride_tb, stride_ot, stride_oh,
