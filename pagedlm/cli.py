@@ -354,6 +354,7 @@ def _is_utf8(text: str) -> bool:
 
 
 def cmd_generate(args) -> int:
+    from .attention import describe_store
     from .batch.engine import LLMEngine
 
     if args.system is not None and not args.chat:
@@ -363,6 +364,7 @@ def cmd_generate(args) -> int:
     prompt = _prompt(args)
     model, tokenizer = _load(args)
     engine = LLMEngine(model, tokenizer, engine_options)
+    print(f"pagedlm: {describe_store(engine)}", file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         ids = tokenizer.encode_chat(messages + [{"role": "user", "content": prompt}])
@@ -448,6 +450,7 @@ def _print_stats(r) -> None:
 
 
 def cmd_chat(args) -> int:
+    from .attention import describe_store
     from .batch.engine import LLMEngine
 
     # Each turn reuses the conversation's KV: the prompt cache on the default
@@ -456,6 +459,7 @@ def cmd_chat(args) -> int:
     options = _sampling_options(args)
     model, tokenizer = _load(args)
     engine = LLMEngine(model, tokenizer, engine_options)
+    print(f"pagedlm: {describe_store(engine)}", file=sys.stderr)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; Ctrl-C stops a reply, Ctrl-D or /exit quits, /reset starts over.", file=sys.stderr)
     while True:

@@ -7,8 +7,10 @@
 A backend (``base.AttentionBackend``) attends, keeps what one step's layers
 share (``plan.StepPlan``) until ``end_step``, and says which steps a CUDA
 graph may capture. Two today, one module each: ``torch`` (the reference:
-SDPA over each row's contiguous keys, any device) and ``triton`` (decode
-rows read the paged pools in place). A new backend is a module here, a
+SDPA over each row's contiguous keys, any device) and ``triton`` (every row
+reads the paged pools in place: one kernel for one-query rows, one for rows
+of several). ``describe_store`` is the line the CLI and the server print at
+startup to say which store and backend run. A new backend is a module here, a
 branch in ``select_backend`` and its name among ``options.ATTENTION_BACKENDS``.
 The SDPA calls themselves are in ``sdpa``.
 """
@@ -23,7 +25,7 @@ from pagedlm.attention.triton_backend import TritonBackend
 from pagedlm.kernels import paged_attention
 from pagedlm.options import ATTENTION_BACKENDS
 
-__all__ = ["AttentionBackend", "select_backend"]
+__all__ = ["AttentionBackend", "describe_store", "select_backend"]
 
 
 def select_backend(name: str, device: torch.device | str, *, paged: bool) -> AttentionBackend:
@@ -38,3 +40,13 @@ def select_backend(name: str, device: torch.device | str, *, paged: bool) -> Att
                                        and paged_attention.available(device))):
         return TritonBackend()
     return TorchBackend()
+
+
+def describe_store(engine) -> str:
+    """What stores and attends for ``engine`` (an ``LLMEngine``), in one line."""
+    paged = engine.options.paged_kv
+    if not engine.paged_kv:
+        return "per-row KV caches (paging off), attention torch"
+    graphs = ", decode replayed as CUDA graphs" if engine.graphs is not None else ""
+    return (f"paged KV in {paged.block_size}-token blocks (prefix caching {'on' if paged.prefix_caching else 'off'}, "
+            f"KV {engine.options.kv_quant}), attention {engine.attention_backend}{graphs}")

@@ -13,6 +13,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from pagedlm.attention import describe_store
 from pagedlm.options import OptionError, ServerOptions, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -49,8 +50,7 @@ def check_tls(keyfile: str | None, certfile: str | None) -> None:
 def effective_config(options: ServerOptions, device: str, dtype, engine: "LLMEngine") -> list[str]:
     """One ``name = value`` line per setting, secrets masked."""
     caches = engine.cache_stats()
-    paged = (f"on, block size {options.paged_kv.block_size}, prefix caching "
-             f"{'on' if options.paged_kv.prefix_caching else 'off'}" if options.paged_kv else "off")
+    paged = describe_store(engine)
     return [
         f"model = {options.model}",
         f"served_model_name = {', '.join(options.model_names)}",
@@ -64,7 +64,7 @@ def effective_config(options: ServerOptions, device: str, dtype, engine: "LLMEng
         f"device = {device}",
         f"dtype = {str(dtype).removeprefix('torch.')}",
         f"quantization = {options.quantization}",
-        f"paged_kv = {paged}",
+        f"kv_store = {paged}",
         f"kv_quant = {options.engine.kv_quant}",
         f"prompt_cache_bytes = {options.prompt_cache_bytes}"
         + (" (off)" if caches.prompt_cache_entries is None else ""),

@@ -92,6 +92,15 @@ def test_generate_reads_standard_input_as_utf8_whatever_the_locale(tiny_load, mo
     assert seen == ["café"]
 
 
+def test_generate_says_on_stderr_which_kv_store_runs(tiny_load, capsys):
+    assert main(["generate", "--max-tokens", "2", "hi"]) == 0
+    assert "pagedlm: per-row KV caches (paging off), attention torch\n" in capsys.readouterr().err  # the CPU default
+    assert main(["generate", "--paged-kv", "--paged-kv-block-size", "32", "--no-prefix-caching",
+                 "--max-tokens", "2", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "pagedlm: paged KV in 32-token blocks (prefix caching off, KV none), attention torch\n" in err
+
+
 def test_a_long_prefill_shows_its_progress_on_stderr_only(tiny_load, capsys, monkeypatch):
     prompt = "hello world, " * 8
     argv = ["generate", "--max-num-batched-tokens", "8", "--max-tokens", "4", prompt]

@@ -439,7 +439,7 @@ def test_default_model_paged_completion_bypasses_the_prompt_cache(b):
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     text = httpx.get(b.url + "/metrics", timeout=10).text
     assert "pagedlm_prompt_cache_entries" not in text and "pagedlm_prompt_cache_hits" not in text
-    assert "paged_kv = on, block size 16" in b.log_text()
+    assert "kv_store = paged KV in 16-token blocks (prefix caching on, KV none), attention torch" in b.log_text()
     assert "prompt_cache_bytes = 2147483648 (off)" in b.log_text()
 
 
