@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gen-len", action=_AtLeast, low=2, default=64,
                    help="tokens generated per run (end-of-sequence ignored)")
     d.add_argument("--repeats", action=_AtLeast, default=3, help="runs per configuration; medians are reported")
+    d.add_argument("--workload", choices=["filler", "grounded"], default="filler",
+                   help="prompts: filler (one paragraph repeated) or grounded (copy a passage of stdlib docstrings, "
+                        "at most --prompt-len tokens: what --speculative ngram speeds up)")
     d.add_argument("--against", choices=["hf", "llama.cpp"], default=None,
                    help="also time transformers' generate on the same weights (hf) or "
                         "llama-cpp-python on the same GGUF (llama.cpp), interleaved")
@@ -323,6 +326,11 @@ def _load(args):
     quantization = opt.resolve_quantization(args.quantization)
     folder = resolve(spec)  # a first run converts the GGUF here, with progress bars
     print(f"pagedlm: loading {spec} on {device} ...", file=sys.stderr, flush=True)
+    parallel = _engine_options(args)  # --tensor-parallel-size: every rank loads only its slices
+    if parallel.tensor_parallel_size > 1:
+        from .parallel import load_parallel
+
+        return load_parallel(str(folder), device, dtype, quantization, parallel)
     return load(str(folder), device, dtype, quantization=quantization)
 
 
@@ -442,9 +450,12 @@ def _print_stats(r) -> None:
     if r is None:
         return
     paged = " (paged KV)" if r.paged_kv else ""
+    seq = r.seq
+    speculated = (f" | speculative: {seq.num_accepted_tokens}/{seq.num_draft_tokens} proposed tokens accepted"
+                  if seq is not None and seq.num_drafts else "")
     print(
         f"prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
-        f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s{paged}",
+        f"generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s{paged}{speculated}",
         file=sys.stderr,
     )
 
@@ -557,6 +568,7 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .loading import ModelNotFound
+    from .parallel import TensorParallelError
 
     try:
         args = build_parser().parse_args(argv)
@@ -564,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, opt.OptionError, ModelNotFound) as e:  # LoadError is a ModelNotFound
         print(f"error: {e}" if not str(e).startswith("pagedlm") else str(e), file=sys.stderr)
         return 2
+    except TensorParallelError as e:  # a rank failed mid-request: said in one line, then out
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -19,6 +19,7 @@ from .batch.engine import LLMEngine
 from .batch.sequence import Sequence, TokenLogprob
 from .options import EngineOptions, OptionError
 from .params import SamplingParams, check_token_ids
+from .speculative import SpecStats
 
 
 @dataclass
@@ -75,6 +76,7 @@ class KVStats:
     peak_kv_bytes_allocated: int = 0
     peak_running: int = 0
     preemptions: int = 0
+    speculation: SpecStats = field(default_factory=SpecStats)  # its counters, acceptance_rate, mean_accepted_length
 
     @property
     def live_fraction(self) -> float:
@@ -93,8 +95,9 @@ class LLM:
     ``model``: a built-in name, a .gguf path or a Hugging Face folder, or a
     loaded module (then ``tokenizer=`` too). The keywords are our engine
     options, plus vLLM's spellings where they mean the same thing
-    (``enable_prefix_caching``, ``kv_cache_dtype``, ``gpu_memory_utilization``,
-    ``seed``, ``served_model_name``, ``tensor_parallel_size=1``);
+    (``enable_prefix_caching``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ``speculative_config``,
+    ``seed``, ``served_model_name``, ``tensor_parallel_size``: a module
+    handed in with it is left whole, each rank copying its slices);
     ``engine_options=`` gives all the engine's options at once instead."""
 
     def __init__(
@@ -119,13 +122,18 @@ class LLM:
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool | None = None,
         kv_cache_dtype: str | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
+        ngram_min: int | None = None,
+        ngram_max: int | None = None,
+        draft_model: str | None = None,
+        speculative_config: dict | None = None,
         seed: int | None = None,
         served_model_name: str | list[str] | None = None,
         tensor_parallel_size: int = 1,
+        distributed_backend: str | None = None,
         engine_options: EngineOptions | None = None,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise OptionError(f"tensor_parallel_size={tensor_parallel_size!r}: pagedlm runs a model on one device")
         if isinstance(tokenizer, str):
             raise TypeError("tokenizer= takes a tokenizer object; a name or path is not supported "
                             "(the model's own tokenizer is used by default)")
@@ -142,7 +150,11 @@ class LLM:
                     "max_num_batched_tokens": max_num_batched_tokens, "kv_budget_bytes": kv_budget_bytes,
                     "gpu_memory_fraction": gpu_memory_fraction, "gpu_memory_utilization": gpu_memory_utilization,
                     "max_model_len": max_model_len, "attention_backend": attention_backend,
-                    "enforce_eager": enforce_eager}
+                    "enforce_eager": enforce_eager, "speculative": speculative,
+                    "num_speculative_tokens": num_speculative_tokens, "ngram_min": ngram_min,
+                    "ngram_max": ngram_max, "draft_model": draft_model, "speculative_config": speculative_config,
+                    "distributed_backend": distributed_backend,
+                    "tensor_parallel_size": None if tensor_parallel_size == 1 else tensor_parallel_size}
         if engine_options is not None:
             given = [name for name, value in keywords.items() if value is not None]
             if given:
@@ -150,25 +162,24 @@ class LLM:
                                   f"(or set them in the EngineOptions)")
             options = engine_options
         else:
-            flags = {**keywords, "paged_kv_block_size": block_size,
+            speculation = _speculative_config(keywords)
+            flags = {**keywords, **speculation, "paged_kv_block_size": block_size,
                      "kv_quant": _alias(kv_quant, "kv_quant", kv_cache_dtype, "kv_cache_dtype", _kv_cache_dtype),
                      "prefix_caching": _alias(prefix_caching, "prefix_caching", enable_prefix_caching,
                                               "enable_prefix_caching", lambda on: on)}
             options = opt.resolve_engine_options(flags, environ={}, device=dev)
         self._seeds = None if opt.check_seed(seed) is None else random.Random(seed)
         if isinstance(model, str):
-            from .loading import load
-
             name = model
-            model, loaded_tokenizer = load(model, dev, opt.resolve_dtype(dtype, dev), quantization)
+            model, loaded_tokenizer = _load(model, dev, opt.resolve_dtype(dtype, dev), quantization, options)
             tokenizer = tokenizer or loaded_tokenizer
         else:
             name = None
         if isinstance(served_model_name, list):
             served_model_name = served_model_name[0] if served_model_name else None
         self.served_model_name: str | None = served_model_name or name
-        self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, options)
+        self.model, self.tokenizer = self.engine.model, tokenizer  # over many ranks: the engine's TensorParallelLM
         self.stats = KVStats()
         self._requests = 0  # vLLM's request ids: "0", "1", ... over this LLM's life
         self._token_text: dict[int, str] = {}
@@ -294,6 +305,7 @@ class LLM:
 
         engine, stats = self.engine, KVStats()
         preempted = engine.num_preemptions
+        speculated = replace(engine.spec_stats)
         make = use_tqdm if callable(use_tqdm) else lambda **kw: tqdm(disable=not use_tqdm, **kw)
         start = shown = time.perf_counter()
         with make(total=len(seqs), desc="generate", unit="seq", dynamic_ncols=True) as bar:
@@ -317,6 +329,7 @@ class LLM:
             for name in ("kv_bytes_allocated", "kv_bytes_live", "kv_bytes_padded"):
                 setattr(stats, name, getattr(stats, name) / stats.steps)
         stats.preemptions = engine.num_preemptions - preempted
+        stats.speculation = engine.spec_stats.since(speculated)
         self.stats = stats
 
     # -- outputs ------------------------------------------------------------
@@ -362,6 +375,27 @@ def _alias(ours: object, our_name: str, vllms: object, vllm_name: str, convert: 
     return convert(vllms)
 
 
+# vLLM's speculative_config keys -> our options ("method": "draft_model" is vLLM's name of "draft")
+_SPECULATIVE_CONFIG = {"method": "speculative", "num_speculative_tokens": "num_speculative_tokens",
+                       "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max", "model": "draft_model"}
+
+
+def _speculative_config(keywords: dict) -> dict:
+    """vLLM's ``speculative_config`` dict as our options (given alone: not beside ours)."""
+    config = keywords.pop("speculative_config")
+    if config is None:
+        return {}
+    if not isinstance(config, dict) or set(config) - set(_SPECULATIVE_CONFIG):
+        raise OptionError(f"speculative_config takes a dict of {', '.join(_SPECULATIVE_CONFIG)} (got {config!r})")
+    ours = {_SPECULATIVE_CONFIG[key]: value for key, value in config.items()}
+    if ours.get("speculative") == "draft_model":
+        ours["speculative"] = "draft"
+    clash = [name for name in ours if keywords.get(name) is not None]
+    if clash:
+        raise OptionError(f"speculative_config and {', '.join(f'{n}=' for n in clash)} set one option: give one")
+    return ours
+
+
 def _kv_cache_dtype(name: object) -> str:
     if name not in KV_CACHE_DTYPES:
         raise OptionError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)} (got {name!r})")
@@ -380,6 +414,18 @@ def _check_module(model: torch.nn.Module, device: str | None, dtype: str | None,
         raise OptionError(f"quantization={quantization!r} applies when LLM loads the model by name; quantize "
                           f"a loaded module first (pagedlm.loading.quant.quantize_model)")
     return param.device.type
+
+
+def _load(spec: str, device: str, dtype: torch.dtype, quantization: str, options: EngineOptions):
+    """(model, tokenizer) for a name or folder: over the ranks of
+    ``options.tensor_parallel_size``, each loading only its slices."""
+    if options.tensor_parallel_size > 1:
+        from .parallel import load_parallel
+
+        return load_parallel(spec, device, dtype, quantization, options)
+    from .loading import load
+
+    return load(spec, device, dtype, quantization)
 
 
 def _prompt_list(prompts: object) -> list:

@@ -38,6 +38,9 @@ DEFAULT_QUANTIZATION = "none"
 # CUDA graph; "auto" is triton on CUDA when triton imports, else torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_QUANT_ENV = "PAGEDLM_KV_QUANT"
+DISTRIBUTED_BACKENDS = ("gloo", "nccl")  # torch.distributed backends of tensor parallelism
+SPECULATIVE_METHODS = ("ngram", "draft")  # pagedlm.speculative's proposers
+DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX = 4, 1, 4
 
 
 class OptionError(ValueError):
@@ -267,6 +270,70 @@ REFUSALS: tuple[Refusal, ...] = (
         "--attention-backend triton needs CUDA (TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)",
     ),
     Refusal(
+        "speculation details without speculation",
+        lambda s: not s.get("speculative") and any(s.get(k) is not None for k in
+                                                   ("num_speculative_tokens", "ngram_min", "ngram_max")),
+        "--num-speculative-tokens, --ngram-min and --ngram-max need --speculative ngram (or draft)",
+    ),
+    Refusal(
+        "n-gram sizes without the n-gram proposer",
+        lambda s: s.get("speculative") == "draft" and (s.get("ngram_min") is not None
+                                                       or s.get("ngram_max") is not None),
+        "--ngram-min and --ngram-max size prompt lookup: they need --speculative ngram",
+    ),
+    Refusal(
+        "n-gram sizes out of order",
+        lambda s: s.get("ngram_min") is not None and s.get("ngram_max") is not None
+        and s["ngram_min"] > s["ngram_max"],
+        "--ngram-min must not exceed --ngram-max (one given alone moves the other's default)",
+    ),
+    Refusal(
+        "a draft model without the draft proposer",
+        lambda s: s.get("draft_model") is not None and s.get("speculative") != "draft",
+        "--draft-model proposes tokens for --speculative draft; add it (or drop --draft-model)",
+    ),
+    Refusal(
+        "the draft proposer without a draft model",
+        lambda s: s.get("speculative") == "draft" and s.get("draft_model") is None,
+        "--speculative draft needs --draft-model M: a smaller model of the same tokenizer",
+    ),
+    Refusal(
+        "a distributed backend without tensor parallelism",
+        lambda s: s.get("distributed_backend") is not None and s.get("tensor_parallel_size", 1) == 1,
+        "--distributed-backend connects the ranks of --tensor-parallel-size N > 1; give both or neither",
+    ),
+    Refusal(
+        "NCCL off CUDA",
+        lambda s: s.get("distributed_backend") == "nccl" and s.get("device") == "cpu",
+        "--distributed-backend nccl connects GPUs; on the CPU use gloo (the default there)",
+    ),
+    Refusal(
+        "more ranks than GPUs",
+        lambda s: (s.get("tensor_parallel_size", 1) > 1 and str(s.get("device", "")).startswith("cuda")
+                   and s["tensor_parallel_size"] > torch.cuda.device_count()),
+        "--tensor-parallel-size puts one rank on each GPU: it exceeds the GPUs this machine has",
+    ),
+    Refusal(
+        "more ranks than attention heads",
+        lambda s: s.get("num_attention_heads") is not None
+        and s.get("tensor_parallel_size", 1) > s["num_attention_heads"],
+        "--tensor-parallel-size exceeds the model's attention heads: every rank needs one at least",
+    ),
+    Refusal(
+        "KV groups that do not split",
+        lambda s: s.get("uneven_kv_runs") is True,
+        "--tensor-parallel-size splits this model's query heads so that a rank reads its KV heads in runs "
+        "of different lengths (grouped-query attention cannot); use a size that divides the KV heads, "
+        "or that they divide",
+    ),
+    Refusal(
+        "tensor parallelism under CUDA graphs",
+        lambda s: (s.get("tensor_parallel_size", 1) > 1 and str(s.get("device", "")).startswith("cuda")
+                   and not s.get("enforce_eager")),
+        "--tensor-parallel-size on CUDA runs eagerly for now (decode graphs do not capture the all-reduces "
+        "yet): add --enforce-eager",
+    ),
+    Refusal(
         "KV quantization without paging",
         lambda s: s.get("kv_quant", "none") != "none" and not s.get("paged_kv"),
         "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1; the default on CUDA)",
@@ -333,6 +400,13 @@ class EngineOptions:
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     enforce_eager: bool = False  # CUDA: never capture the decode step as a graph
     kv_quant: str = "none"  # paged store: none, int8 or fp8 blocks (cache/kv_quant.py)
+    tensor_parallel_size: int = 1  # ranks the model is split across (pagedlm.parallel)
+    distributed_backend: str | None = None  # DISTRIBUTED_BACKENDS; None: nccl on CUDA, gloo on the CPU
+    speculative: str | None = None  # SPECULATIVE_METHODS; None: no speculative decoding
+    num_speculative_tokens: int | None = None  # tokens a row proposes per step (DEFAULT_NUM_SPECULATIVE_TOKENS)
+    ngram_min: int | None = None  # prompt lookup's shortest and longest suffix matched (DEFAULT_NGRAM_MIN/MAX)
+    ngram_max: int | None = None
+    draft_model: str | None = None  # --speculative draft: the model that proposes
 
 
 # Device defaults: a CPU step is compute-bound well before 512 tokens; a GPU
@@ -363,6 +437,18 @@ def _switch(name: str) -> Callable[[str | bool], bool]:
 def _backend(text: str) -> str:
     if text not in ATTENTION_BACKENDS:
         raise OptionError(f"--attention-backend must be {', '.join(ATTENTION_BACKENDS)} (got {text!r})")
+    return text
+
+
+def _distributed_backend(text: str) -> str:
+    if text not in DISTRIBUTED_BACKENDS:
+        raise OptionError(f"--distributed-backend must be {', '.join(DISTRIBUTED_BACKENDS)} (got {text!r})")
+    return text
+
+
+def _speculative(text: str) -> str:
+    if text not in SPECULATIVE_METHODS:
+        raise OptionError(f"--speculative must be {', '.join(SPECULATIVE_METHODS)} (got {text!r})")
     return text
 
 
@@ -397,6 +483,24 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("kv_quant", KV_QUANT_ENV, check_kv_quant,
          "paged store: keys and values as none, int8 or fp8 (e4m3) blocks with a scale per token and "
          "KV head (default none)"),
+    Flag("speculative", "PAGEDLM_SPECULATIVE", _speculative,
+         "speculative decoding: ngram (propose what followed the last tokens' latest earlier match in the "
+         "prompt and output) or draft (the greedy continuation of --draft-model); default off"),
+    Flag("num_speculative_tokens", "PAGEDLM_NUM_SPECULATIVE_TOKENS",
+         lambda t: positive_int(t, "--num-speculative-tokens"),
+         f"with --speculative: tokens a row proposes per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})"),
+    Flag("ngram_min", "PAGEDLM_NGRAM_MIN", lambda t: positive_int(t, "--ngram-min"),
+         f"--speculative ngram: the shortest suffix looked up (default {DEFAULT_NGRAM_MIN})"),
+    Flag("ngram_max", "PAGEDLM_NGRAM_MAX", lambda t: positive_int(t, "--ngram-max"),
+         f"--speculative ngram: the longest suffix looked up; longer matches win (default {DEFAULT_NGRAM_MAX})"),
+    Flag("draft_model", "PAGEDLM_DRAFT_MODEL", str,
+         "--speculative draft: the proposing model, of the target's tokenizer (default none)"),
+    Flag("tensor_parallel_size", "PAGEDLM_TENSOR_PARALLEL_SIZE",
+         lambda t: positive_int(t, "--tensor-parallel-size"),
+         "split the model across N ranks (tensor parallelism: one process per rank, one GPU each on CUDA; "
+         "default 1)"),
+    Flag("distributed_backend", "PAGEDLM_DISTRIBUTED_BACKEND", _distributed_backend,
+         "the ranks' torch.distributed backend: gloo or nccl (default: nccl on CUDA, gloo on the CPU)"),
 )
 
 

@@ -252,9 +252,7 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
     """Sample ``rows`` (of ``logits`` and ``seqs``) into ``tokens``. Rows that
     are greedy, unpenalized and unbiased share one argmax, kept where their
     rules permit it; the rest go row by row."""
-    shared = [i for i in rows
-              if seqs[i].generator is None and not _penalized(seqs[i])
-              and (seqs[i].rules is None or not seqs[i].rules.bias)]
+    shared = [i for i in rows if shares_argmax(seqs[i])]
     if shared:
         best = torch.argmax(logits if len(shared) == len(seqs) else logits[shared], dim=-1).tolist()
         for i, t in zip(shared, best):
@@ -264,6 +262,13 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
     for i in rows:
         if tokens[i] is None:
             tokens[i] = sample_row(logits[i], seqs[i])
+
+
+def shares_argmax(seq: "Sequence") -> bool:
+    """Whether the row's token is the plain argmax of its logits, where its
+    rules permit it: greedy, unpenalized, unbiased (a step's such rows share
+    one argmax call)."""
+    return seq.generator is None and not _penalized(seq) and (seq.rules is None or not seq.rules.bias)
 
 
 def _penalized(seq: "Sequence") -> bool:

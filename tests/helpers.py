@@ -202,6 +202,36 @@ def drive(engine: LLMEngine, ops, add, check) -> None:
         check()
 
 
+class GreedyOracle:
+    """A proposer (`pagedlm.speculative.Proposer`) that knows the answer: the
+    model's own greedy continuation (recomputed alone, `Solo`), with the
+    token at a random position of each proposal (or none) changed, so that
+    the target accepts a random number of its tokens (0 to k)."""
+
+    def __init__(self, model, num_speculative_tokens: int, seed: int = 0, exact: bool = False) -> None:
+        self.model, self.num_speculative_tokens = model, num_speculative_tokens
+        self.rng, self.exact = random.Random(seed), exact
+
+    def propose(self, rows) -> list[list[int]]:
+        return [self.one(seq.tokens, k) for seq, k in rows]
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+    def one(self, tokens: list[int], k: int) -> list[int]:
+        from pagedlm.batch.solo import Solo
+
+        solo, out = Solo(self.model), []
+        logits = solo(tokens)[-1]
+        for _ in range(k):
+            out.append(int(logits.argmax()))
+            logits = solo([out[-1]])[-1]
+        wrong = k if self.exact else self.rng.randint(0, k)
+        if wrong < k:
+            out[wrong] = (out[wrong] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB
+        return out
+
+
 # -- paged-attention kernel inputs ------------------------------------------------------
 
 

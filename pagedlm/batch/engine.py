@@ -28,9 +28,11 @@ from pagedlm.cache.blocks import BlockManager
 from pagedlm.cache.layout import kv_bytes, make_pools, plan_layout
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore
-from pagedlm.options import DEVICE_DEFAULTS, EngineOptions, OptionError, check_refusals
+from pagedlm.options import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, EngineOptions, OptionError,
+                             check_refusals)
 from pagedlm.params import SamplingParams
-from pagedlm.sampling import logprobs_of, ranks_of, sample, token_rules
+from pagedlm.sampling import logprobs_of, ranks_of, sample, shares_argmax, token_rules
+from pagedlm.speculative import NgramProposer, SpecStats, verify
 
 from .graphs import DecodeGraphs
 from .scheduler import Scheduler
@@ -99,8 +101,14 @@ def model_context_length(model: torch.nn.Module) -> int:
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: "Tokenizer",
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, draft: torch.nn.Module | None = None) -> None:
+        """``draft``: the draft model of ``--speculative draft`` when it is
+        loaded already (else ``options.draft_model`` is loaded by name)."""
         options = options or EngineOptions()
+        if options.tensor_parallel_size > 1 and not hasattr(model, "make_store"):
+            from pagedlm.parallel import parallelize  # a model in memory: every rank copies its slices
+
+            model = parallelize(model, options)
         param = next(model.parameters())
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.vocab_size = int(model.args.vocab_size)  # the logits' width
@@ -111,7 +119,10 @@ class LLMEngine:
                         "gpu_memory_utilization": options.gpu_memory_utilization,
                         "kv_budget_bytes": options.kv_budget_bytes,
                         "attention_backend": options.attention_backend, "kv_quant": options.kv_quant,
-                        "paged_kv": options.paged_kv is not None})
+                        "paged_kv": options.paged_kv is not None, "speculative": options.speculative,
+                        "num_speculative_tokens": options.num_speculative_tokens, "ngram_min": options.ngram_min,
+                        "ngram_max": options.ngram_max,
+                        "draft_model": options.draft_model or (draft is not None and "the module given") or None})
         if kind == "cuda":
             keep_sdpa_deterministic()
         backend = select_backend(options.attention_backend, self.device, paged=options.paged_kv is not None)
@@ -137,7 +148,8 @@ class LLMEngine:
             self.blocks = BlockManager(layout.num_blocks, layout.block_size, layout.prefix_salt)
         elif options.prompt_cache_bytes > 0:
             self.prompt_cache = PromptCache(options.prompt_cache_bytes)
-        self.store = KVStore(layout, pools, backend)
+        # A tensor-parallel model (pagedlm.parallel) makes a store its workers mirror.
+        self.store = getattr(model, "make_store", KVStore)(layout, pools, backend)
         self.admission = (BlockAdmission(self.blocks, self.store) if self.blocks is not None
                           else ByteAdmission(layout, self.store, self.prompt_cache, self.max_num_batched_tokens))
         self.graphs = None
@@ -148,8 +160,27 @@ class LLMEngine:
                                    self.long_prefill_token_threshold, options.max_num_partial_prefills)
         self.paged_kv = pools is not None
         self.attention_backend = backend.name
+        self.proposer = self._proposer(draft)  # None: no speculative decoding
+        self.spec_stats = SpecStats()
         self._steps = 0
         self._grammars = None  # GrammarCompiler, at the first constrained request
+
+    def _proposer(self, draft: torch.nn.Module | None):
+        """The ``--speculative`` proposer: prompt lookup, or the draft model's
+        (loaded here by name unless given, on the model's device and dtype)."""
+        options = self.options
+        if options.speculative is None:
+            return None
+        if options.speculative == "ngram":
+            return NgramProposer.from_options(options)
+        from pagedlm.loading import load
+
+        from .draft import DraftProposer
+
+        if draft is None:
+            draft = load(options.draft_model, str(self.device), self.dtype)[0]
+        return DraftProposer(draft, options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS,
+                             self.vocab_size, self.layout, options, self.max_model_len, self.max_num_batched_tokens)
 
     # -- requests -----------------------------------------------------------
 
@@ -188,6 +219,8 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         """End ``seq`` now and free what it holds (call between steps)."""
+        if not seq.is_finished and self.proposer is not None:
+            self.proposer.release(seq.seq_id)
         self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
@@ -215,6 +248,8 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[GenerationResponse]:
+        if self.proposer is not None:
+            self._propose()
         rows = self.scheduler.schedule()
         if not rows:
             return []
@@ -224,7 +259,6 @@ class LLMEngine:
                 seq.first_scheduled = now
         step = prepare_step(rows, self.device, self.blocks)
         sampled = [rows[r][0] for r in step.sampling_rows]
-        tokens: list[int] = []
         logits = None
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(step):
@@ -236,25 +270,101 @@ class LLMEngine:
                         self._score_prompt(seq, n, hidden[step.query_start_host[r] : step.query_start_host[r + 1]])
                 if sampled:
                     logits = self.model.compute_logits(hidden[step.logits_rows]).float()
-            if sampled:
-                tokens = sample(logits, sampled)
+            emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
         self.store.end_step()
         self._steps += 1
-        for seq, n in rows:
-            seq.num_computed += n
-            self.admission.commit(seq)
-        outputs = []
+        outputs: list[GenerationResponse] = []
+        kept = {}  # verify rows: tokens fed whose keys stay
         for i, seq in enumerate(sampled):
-            if tokens[i] is None:  # its grammar dead-ends (the matcher logged why)
+            if emitted[i] is None:  # its grammar dead-ends (the matcher logged why)
                 outputs.append(self._end_without_token(seq, "error"))
                 continue
-            logprob = None
-            if seq.params.logprobs is not None and seq.params.max_tokens > 0:
-                chosen = torch.tensor([tokens[i]], device=logits.device)
-                logprob = logprobs_of(logits[i : i + 1], chosen, seq.params.logprobs)[0]
-                seq.logprob_ranks += ranks_of(logits[i : i + 1], chosen)
-            outputs.append(self._append(seq, tokens[i], logprob))
+            for j, token in enumerate(emitted[i]):
+                logprob = None
+                if seq.params.logprobs is not None and seq.params.max_tokens > 0:
+                    at = logits[first[i] + j : first[i] + j + 1]
+                    chosen = torch.tensor([token], device=logits.device)
+                    logprob = logprobs_of(at, chosen, seq.params.logprobs)[0]
+                    seq.logprob_ranks += ranks_of(at, chosen)
+                outputs.append(self._append(seq, token, logprob))
+                if outputs[-1].finish_reason is not None:
+                    break
+            if seq.draft:
+                kept[seq.seq_id] = j + 1  # the last token and the accepted proposals the output holds now
+                self._count_verified(seq, len(emitted[i]) - 1, j + 1)
+        for seq, n in rows:
+            if seq.seq_id in kept:  # a verify row: drop the rejected tail's keys
+                rejected = n - kept[seq.seq_id]
+                n -= rejected
+                if rejected:
+                    self.store.trim_row(seq.seq_id, rejected)
+                    if self.blocks is not None:
+                        self.blocks.trim(seq.seq_id, seq.num_computed + n)
+            seq.draft = []
+            seq.num_computed += n
+            self.admission.commit(seq)
+        for out in outputs:  # after the commits: a finished sequence's blocks are findable first
+            if out.finish_reason is not None:
+                self.scheduler.finish(out.seq, out.finish_reason)
+                if self.proposer is not None:
+                    self.proposer.release(out.seq.seq_id)
         return outputs
+
+    def _pick(self, logits: torch.Tensor | None, sampled: list[Sequence]) -> tuple[list, list[int]]:
+        """The tokens each sampled row emits (None: its grammar allows none)
+        and where its logits start: one row each, or a verify row's ``1 + d``."""
+        first, at = [], 0
+        for seq in sampled:
+            first.append(at)
+            at += 1 + len(seq.draft)
+        if not sampled:
+            return [], first
+        if at == len(sampled):  # nothing proposed: one call for the whole step, as without speculation
+            return [[t] if t is not None else None for t in sample(logits, sampled)], first
+        plain = [i for i, seq in enumerate(sampled) if not seq.draft]
+        emitted: list = [None] * len(sampled)
+        if plain:
+            for i, t in zip(plain, sample(logits[[first[i] for i in plain]], [sampled[i] for i in plain])):
+                emitted[i] = [t] if t is not None else None
+        verifying = [i for i, seq in enumerate(sampled) if seq.draft]
+        greedy = [i for i in verifying if shares_argmax(sampled[i])]
+        best: dict[int, list[int]] = {}
+        if greedy:  # one argmax, one read, for every greedy verify row's positions
+            at = [j for i in greedy for j in range(first[i], first[i] + 1 + len(sampled[i].draft))]
+            picked = logits[at].argmax(-1).tolist()
+            for i in greedy:
+                best[i], picked = picked[: 1 + len(sampled[i].draft)], picked[1 + len(sampled[i].draft) :]
+        for i in verifying:
+            seq = sampled[i]
+            emitted[i] = verify(logits[first[i] : first[i] + 1 + len(seq.draft)], seq, seq.draft, best.get(i))
+        return emitted, first
+
+    def _propose(self) -> None:
+        """Give each running decode row that may speculate its proposal
+        (``seq.draft``; the scheduler may shorten or drop it). Constrained
+        rows do not speculate; a proposal never runs past max_tokens or
+        max_model_len (a verify row emits up to 1 + d tokens)."""
+        k = self.proposer.num_speculative_tokens
+        asking, rows = [], []
+        for seq in self.scheduler.running:
+            seq.draft = []
+            room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens) - 1
+            if seq.num_tokens - seq.num_computed == 1 and seq.matcher is None and room > 0:
+                asking.append(seq)
+                rows.append((seq, min(k, room)))
+        for seq, draft in zip(asking, self.proposer.propose(rows) if rows else []):
+            seq.draft = draft
+
+    def _count_verified(self, seq: Sequence, accepted: int, emitted: int) -> None:
+        d = len(seq.draft)
+        seq.num_drafts += 1
+        seq.num_draft_tokens += d
+        seq.num_accepted_tokens += accepted
+        stats = self.spec_stats
+        stats.drafts += 1
+        stats.draft_tokens += d
+        stats.accepted_tokens += accepted
+        stats.emitted_tokens += emitted
 
     def _score_prompt(self, seq: Sequence, n: int, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this chunk predicts that are not scored
@@ -270,12 +380,12 @@ class LLMEngine:
         seq.prompt_logprob_ranks += ranks_of(logits, targets)
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> GenerationResponse:
-        """Add ``token`` to ``seq``; decide whether it ends it; the text it completes."""
+        """Add ``token`` to ``seq``; decide whether it ends it (the step ends
+        it, after committing its blocks); the text it completes."""
         first = seq.first_token_at is None
         if first:
             seq.first_token_at = time.perf_counter()
         if seq.params.max_tokens == 0:  # score the prompt, generate nothing
-            self.scheduler.finish(seq, "length")
             return self._response(seq, "", None, None, "length", first)
         seq.output_ids.append(token)
         finish = None
@@ -299,8 +409,6 @@ class LLMEngine:
         seq.text += text
         if logprob is not None:
             seq.logprobs.append(logprob)
-        if finish is not None:
-            self.scheduler.finish(seq, finish)
         return self._response(seq, text, token, logprob, finish, first)
 
     @staticmethod
@@ -311,13 +419,12 @@ class LLMEngine:
         return seq.matcher.is_finished or seq.matcher.is_dead
 
     def _end_without_token(self, seq: Sequence, reason: str) -> GenerationResponse:
-        """End ``seq`` with nothing sampled (its grammar allows no token): the text held back is emitted."""
+        """``seq`` ends with nothing sampled (its grammar allows no token): the text held back is emitted."""
         first = seq.first_token_at is None
         if first:
             seq.first_token_at = time.perf_counter()
         text = seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
         seq.text += text
-        self.scheduler.finish(seq, reason)
         return self._response(seq, text, None, None, reason, first)
 
     def _response(self, seq, text, token, logprob, finish, first) -> GenerationResponse:

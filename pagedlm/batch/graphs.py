@@ -87,7 +87,8 @@ class DecodeGraphs:
 
     def can_run(self, step: StepBatch) -> bool:
         n = len(step.seq_ids)
-        return self.store.backend.can_capture(step) and len(step.sampling_rows) == n and n <= self.sizes[-1]
+        return (self.store.backend.can_capture(step) and len(step.sampling_rows) == n == len(step.logits_rows)
+                and n <= self.sizes[-1])  # (a verify row needs more than one row of logits)
 
     def run(self, step: StepBatch) -> torch.Tensor:
         """Logits ``[n, vocab]`` of a decode step of ``n`` rows (``can_run``)."""

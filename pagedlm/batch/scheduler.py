@@ -4,7 +4,10 @@ Each step has a token budget (``max_num_batched_tokens``) and a row cap
 (``max_num_seqs``). A step is filled in four passes:
 
 1. decode rows: every running sequence past its prompt takes its one token,
-   oldest first, so decoding never waits behind a prefill;
+   oldest first, so decoding never waits behind a prefill; with speculative
+   decoding, once pass 2 has run, also the tokens proposed after it
+   (``Sequence.draft``) as far as the budget goes, and none when its KV
+   room is not free (a proposal preempts no one);
 2. prompt chunks of running sequences (oldest first): the next chunk of the
    prompt, capped at ``long_prefill_token_threshold`` tokens while any
    sequence waits to be admitted;
@@ -112,6 +115,7 @@ class Scheduler:
                 self._add_row(rows, scheduled, seq, min(seq.num_tokens - seq.num_computed, self._budget, cap))
         if first_prompt_row is None:
             first_prompt_row = len(rows)
+        self._add_drafts(rows[:first_prompt_row])
         planned = {seq.seq_id: n for seq, n in rows[first_prompt_row:]}
         partial = sum(1 for s in prefilling if s.status is SequenceStatus.RUNNING
                       and s.num_tokens - s.num_computed > planned.get(s.seq_id, 0))
@@ -125,6 +129,20 @@ class Scheduler:
                 row[1] += extra
                 self._budget -= extra
         return [(seq, n) for seq, n in rows]
+
+    def _add_drafts(self, decode_rows: list) -> None:
+        """Pass 1b, after the prompt chunks: each decode row also feeds the
+        tokens proposed after it (``seq.draft``), as far as the budget goes
+        and only when its room is free (a proposal preempts no one); the
+        rest of a draft is dropped."""
+        for row in decode_rows:
+            seq = row[0]
+            del seq.draft[self._budget :]
+            if seq.draft and self.admission.allocate(seq, 1 + len(seq.draft)):
+                row[1] += len(seq.draft)
+                self._budget -= len(seq.draft)
+            else:
+                seq.draft.clear()
 
     def _add_row(self, rows: list, scheduled: set[int], seq: Sequence, n: int) -> None:
         """Schedule ``n`` tokens of running ``seq``; when they have no room
@@ -212,6 +230,7 @@ class Scheduler:
         """Free ``seq``'s storage and queue it first, to be recomputed from its tokens."""
         self.running.remove(seq)
         self.admission.release(seq, keep=False)
+        seq.draft.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_computed = 0
         self.num_preemptions += 1

@@ -64,7 +64,10 @@ class Sequence:
     ``tokens`` is the prompt followed by the output; the first
     ``num_computed`` of them have keys and values in the store. A step feeds
     ``tokens[num_computed:num_computed + n]``; when that reaches the end, the
-    last position's logits give the next token. Preemption sets
+    last position's logits give the next token. With speculative decoding
+    a decode row also feeds ``draft``, tokens proposed after ``tokens``:
+    they are not the sequence's until the step's verification accepts
+    them, and the keys of those it rejects are dropped. Preemption sets
     ``num_computed`` back to 0: the sequence is recomputed from its tokens,
     output included, and continues where it was.
     """
@@ -105,6 +108,10 @@ class Sequence:
                 self.generator.manual_seed(params.seed)
             else:
                 self.generator.seed()
+        self.draft: list[int] = []  # this step's proposed tokens (speculative decoding)
+        self.num_drafts = 0  # verify rows it ran, tokens proposed in them, and accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.first_scheduled: float | None = None
         self.first_token_at: float | None = None
 
@@ -114,11 +121,13 @@ class Sequence:
 
     def new_tokens(self, n: int) -> list[int]:
         """The next ``n`` tokens to feed (from ``num_computed``), without
-        copying the whole sequence: a decode row takes its last token."""
+        copying the whole sequence: a decode row takes its last token (and
+        the ``draft`` past it, for a verify row)."""
         begin, end, p = self.num_computed, self.num_computed + n, len(self.prompt_ids)
+        ahead = self.draft[: max(0, end - self.num_tokens)]
         if begin >= p:
-            return self.output_ids[begin - p : end - p]
-        return self.prompt_ids[begin:end] + self.output_ids[: max(0, end - p)]
+            return self.output_ids[begin - p : end - p] + ahead
+        return self.prompt_ids[begin:end] + self.output_ids[: max(0, end - p)] + ahead
 
     @property
     def num_tokens(self) -> int:

@@ -27,22 +27,27 @@ def prepare_step(
 
     A row samples when its new tokens reach the end of its tokens (a decode
     row, or the last chunk of a prompt); a row mid-prompt only stores keys.
+    A verify row (a decode row that also feeds its sequence's ``draft``)
+    needs the logits of its last token and of every proposed one: its
+    ``logits_rows`` are those ``1 + d`` positions, in order.
     """
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
     lens: list[int] = []
     sampling: list[int] = []
+    logits_rows: list[int] = []
     for r, (seq, n) in enumerate(rows):
         begin = seq.num_computed
         ids += seq.new_tokens(n)
         positions += range(begin, begin + n)
         starts.append(starts[-1] + n)
         lens.append(begin + n)
-        if begin + n == seq.num_tokens:
+        if begin + n >= seq.num_tokens:
             sampling.append(r)
+            logits_rows += range(starts[r] + seq.num_tokens - 1 - begin, starts[r + 1])
     # Everything the device needs goes over in one copy, then is cut apart.
-    parts = [ids, positions, lens, [starts[r + 1] - 1 for r in sampling]]
+    parts = [ids, positions, lens, logits_rows]
     width = 0
     if blocks is not None:
         tables = [blocks.tables[seq.seq_id] for seq, _ in rows]

@@ -69,7 +69,7 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
 
 def load_for_bench(args, quantization: str | None = None):
     """``(model, tokenizer, device, dtype, spec)`` for a bench's ``--model``,
-    ``--device``, ``--dtype``, ``--random-weights`` and ``--quantization``
+    ``--device``, ``--dtype``, ``--random-weights``, ``--tensor-parallel-size`` and ``--quantization``
     (``quantization`` overrides the flag; random weights are quantized after
     they are drawn)."""
     device = opt.resolve_device(args.device)
@@ -77,10 +77,21 @@ def load_for_bench(args, quantization: str | None = None):
     spec = args.model or opt.DEFAULT_MODEL
     if quantization is None:
         quantization = opt.resolve_quantization(getattr(args, "quantization", None))
+    parallel = opt.resolve_engine_options({"tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
+                                           "distributed_backend": getattr(args, "distributed_backend", None)},
+                                          device=device)
     if args.random_weights:
         model, tokenizer = load_random(spec, device, dtype)
         if quantization != "none":
             quantize_model(model, quantization)
+        if parallel.tensor_parallel_size > 1:
+            from pagedlm.parallel import parallelize
+
+            model = parallelize(model, parallel)
+    elif parallel.tensor_parallel_size > 1:
+        from pagedlm.parallel import load_parallel
+
+        model, tokenizer = load_parallel(spec, device, dtype, quantization, parallel)
     else:
         model, tokenizer = load(spec, device, dtype, quantization=quantization)
     return model, tokenizer, device, dtype, spec

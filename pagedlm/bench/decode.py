@@ -5,7 +5,16 @@ weights, interleaved repeat by repeat, so that the ratios between them hold
 even on a noisy machine: the default cache always; the paged cache with
 ``--paged-kv``; the same model with ``--quantization int8|int4`` weights;
 Hugging Face transformers' ``generate`` with ``--against hf``;
-llama-cpp-python on the same GGUF file with ``--against llama.cpp``.
+llama-cpp-python on the same GGUF file with ``--against llama.cpp``; with
+``--speculative ngram`` each store again with speculative decoding (rows
+``default-ngram``, ``paged-ngram``, ...), on the same prompts, beside its
+plain row.
+
+Prompts: ``--workload filler`` (the default) repeats one paragraph;
+``--workload grounded`` asks the model to copy a passage it is given
+(stdlib module docstrings, which every Python ships), the input-grounded
+work that prompt lookup speeds up: a chat prompt when the model has a
+template.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from ..cache.layout import kv_bytes
 from ..loading.catalog import BUILTINS
 from ..models.layers import Embedding
 from ..params import SamplingParams
+from ..speculative import SpecStats
 from .common import default_store, fastest_config, hf_model, load_for_bench, paged_configs, shared_budget
 
 FILLER = (
@@ -41,6 +51,8 @@ FILLER = (
 class Timing:
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
+    spec: SpecStats | None = None  # our engines: what speculation did in the timed runs
+    proposer: object = None  # and who proposed (pagedlm.speculative.Proposer; None: no speculation)
 
     def add(self, prefill: float, decode: float) -> None:
         self.prefill_tok_s.append(prefill)
@@ -50,6 +62,40 @@ class Timing:
 def prompt_ids(tokenizer, n: int) -> list[int]:
     ids = tokenizer.encode(FILLER * (n // 8 + 8))
     return ids[:n]
+
+
+PASSAGE_MODULES = ("argparse", "json", "heapq", "inspect", "difflib", "collections")  # docstrings: ~9k characters
+COPY_TASK = "Here is a passage:\n\n{passage}\n\nRepeat the passage exactly, word for word."
+COPY_START = 6  # words of the passage that begin the reply, so that small models copy rather than summarise
+
+
+def grounded_ids(tokenizer, n: int) -> list[int]:
+    """At most ``n`` tokens asking the model to repeat a passage (as much of
+    the stdlib docstrings as fits), its reply begun with the passage's
+    first words: through the chat template when there is one."""
+    import importlib
+
+    words = " ".join(importlib.import_module(m).__doc__ or "" for m in PASSAGE_MODULES).split()
+
+    def ids(k: int) -> list[int]:
+        task, start = COPY_TASK.format(passage=" ".join(words[:k])), " ".join(words[:COPY_START])
+        if getattr(tokenizer, "chat_template", None) is None:  # (random weights: a tokenizer without one)
+            return tokenizer.encode(f"{task}\n\n{start}")
+        return tokenizer.encode_chat([{"role": "user", "content": task}, {"role": "assistant", "content": start}],
+                                     add_generation_prompt=False, continue_final_message=True)
+
+    low, high = COPY_START, len(words)  # the most words that fit
+    if len(ids(low)) > n:
+        raise opt.OptionError(f"--workload grounded: the shortest copy prompt is {len(ids(low))} tokens, "
+                              f"more than --prompt-len {n}")
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(ids(mid)) <= n else (low, mid - 1)
+    return ids(low)
+
+
+WORKLOADS = {"filler": prompt_ids, "grounded": grounded_ids}
+SPECULATION = ("speculative", "num_speculative_tokens", "ngram_min", "ngram_max", "draft_model")
 
 
 def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> Callable:
@@ -62,6 +108,7 @@ def _ours(model, tokenizer, engine_options: opt.EngineOptions, gen_len: int) -> 
             pass
         return last.prompt_tps, last.generation_tps
 
+    run.engine = engine  # its speculative counters, for the report
     return run
 
 
@@ -186,15 +233,22 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         engine_options = dataclasses.replace(
             engine_options, paged_kv=dataclasses.replace(engine_options.paged_kv, prefix_caching=False))
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
-    alive = (1 + len(paged_configs(engine_options, device)) + (engine_options.kv_quant != "none")
+    speculation = {name: getattr(engine_options, name) for name in SPECULATION}
+    method = speculation["speculative"]
+    engine_options = dataclasses.replace(engine_options, **dict.fromkeys(SPECULATION))  # the plain rows
+    stores = 1 + len(paged_configs(engine_options, device))
+    alive = (stores * (1 + (method is not None)) + (engine_options.kv_quant != "none")
              + (quantization != "none") + (args.against == "hf"))
     engine_options = shared_budget(engine_options, device, alive)  # every runner lives through the rounds
     kv_quant = engine_options.kv_quant
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
-    runners: dict[str, Callable] = {
-        "default": _ours(model, tokenizer, default_store(engine_options), args.gen_len)}
-    for name, options in paged_configs(unquantized, device).items():
-        runners[name] = _ours(model, tokenizer, options, args.gen_len)
+    store_options = {"default": default_store(engine_options), **paged_configs(unquantized, device)}
+    runners: dict[str, Callable] = {name: _ours(model, tokenizer, options, args.gen_len)
+                                    for name, options in store_options.items()}
+    if method is not None:  # each store again, speculating, beside its plain row
+        for name, options in store_options.items():
+            runners[f"{name}-{method}"] = _ours(model, tokenizer, dataclasses.replace(options, **speculation),
+                                                args.gen_len)
     if kv_quant != "none":  # 8-bit blocks against the unquantized paged store, same run
         runners[f"paged-{kv_quant}"] = _ours(model, tokenizer, engine_options, args.gen_len)
     models = dict.fromkeys(runners, model)
@@ -209,35 +263,42 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
 
     for n in args.prompt_len:
-        ids = prompt_ids(tokenizer, n)
-        if len(ids) < n:
+        ids = WORKLOADS[args.workload](tokenizer, n)
+        if len(ids) < n and args.workload == "filler":
             raise opt.OptionError(f"could not build a {n}-token prompt")
         for name, run in runners.items():  # warm-up: allocator, caches, kernels, compilation
             run(ids if name == "hf" else ids[: min(n, 32)])
         timings = {name: Timing() for name in runners}
+        before = {name: dataclasses.replace(run.engine.spec_stats) for name, run in runners.items()
+                  if hasattr(run, "engine")}
         for _ in range(args.repeats):
             for name, run in runners.items():
                 timings[name].add(*run(ids))
+        for name, start in before.items():  # the timed runs' speculation counters
+            timings[name].proposer = runners[name].engine.proposer
+            timings[name].spec = runners[name].engine.spec_stats.since(start)
         roofline = None
         if bandwidth is not None:  # per row: a quantized model reads fewer bytes
             step_bytes = {name: bytes_per_decode_step(models.get(name, model), n + args.gen_len // 2)
                           for name in runners}
             roofline = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "bytes_per_step": step_bytes,
                         "roofline_ms": {k: b / bandwidth * 1e3 for k, b in step_bytes.items()}}
-        _report(args, spec, device, dtype, n, engine_options.paged_kv, timings, roofline)
+        _report(args, spec, device, dtype, len(ids), engine_options.paged_kv, timings, roofline, speculation)
     return 0
 
 
 KV_QUANT_ROWS = tuple(f"paged-{m}" for m in opt.KV_QUANT_MODES if m != "none")
 
 
-def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roofline: dict | None) -> None:
+def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roofline: dict | None,
+            speculation: dict) -> None:
     med = {k: (statistics.median(t.prefill_tok_s), statistics.median(t.decode_tok_s))
            for k, t in timings.items()}
     base = {
         "model": spec, "random_weights": bool(args.random_weights), "device": device,
         "dtype": str(dtype).removeprefix("torch."), "prompt_len": n, "gen_len": args.gen_len,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "workload": args.workload,
     }
     if device.startswith("cuda"):
         base["gpu"] = torch.cuda.get_device_name(device)
@@ -249,6 +310,8 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
     for name in med:
         if name == against:
             continue
+        method = speculation["speculative"]
+        plain = name.removesuffix(f"-{method}") if method and name.endswith(f"-{method}") else None
         paged_row = name.startswith("paged") or (name in opt.QUANTIZATIONS and paged is not None)
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
@@ -258,6 +321,14 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
                "prefix_caching": paged.prefix_caching if paged_row else None,
                "kv_quant": name.removeprefix("paged-") if name in KV_QUANT_ROWS else "none",
                "quantization": name if name in opt.QUANTIZATIONS else "none"}
+        if plain is not None:  # a speculating row: what it proposed and kept, and its speedup on the same prompt
+            stats, proposer = timings[name].spec, timings[name].proposer
+            row.update(speculative=method, num_speculative_tokens=proposer.num_speculative_tokens,
+                       acceptance_rate=round(stats.acceptance_rate, 3),
+                       mean_accepted_length=round(stats.mean_accepted_length, 3),
+                       decode_ratio_vs_plain=round(med[name][1] / med[plain][1], 3))
+            if method == "ngram":
+                row.update(ngram_min=proposer.ngram_min, ngram_max=proposer.ngram_max)
         if roofline is not None:
             row.update(bytes_per_step=roofline["bytes_per_step"][name],
                        roofline_ms_per_token=round(roofline["roofline_ms"][name], 4),
@@ -279,7 +350,8 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
             print(json.dumps(row), flush=True)
         else:
             extra = "".join(
-                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "roofline_fraction", f"{tag}_decode_tok_s",
+                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "decode_ratio_vs_plain", "acceptance_rate",
+                                            "mean_accepted_length", "roofline_fraction", f"{tag}_decode_tok_s",
                                             f"decode_ratio_vs_{tag}") if k in row)
             print(f"{row['name']:20s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
                   f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)

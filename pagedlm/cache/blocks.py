@@ -24,6 +24,11 @@ With prefix caching (a ``salt``), a block is shared, vLLM-style:
   reports it busy) rather than computing it twice. That is how ``n > 1``
   continuations and requests sent together share one prefill.
 
+Speculative decoding writes a verify row's proposed tokens, then ``trim``s
+the table back to the tokens it kept. Rejected tokens only ever sit past the
+kept ones, in blocks no hash names (``commit`` hashes only blocks the kept
+tokens fill), so no sequence can be handed a rejected token's key.
+
 Invariant, checked by ``check``: a block is free (ref 0, on the free list)
 or referenced by exactly the live sequences whose tables hold it; the hash
 map and the blocks' hashes agree; only live sequences have blocks pending.
@@ -174,6 +179,18 @@ class BlockManager:
             table.append(self._pop_free())
         self.tables[seq_id] = table
         return copies
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink the sequence's table to the blocks that ``num_tokens`` tokens
+        fill (speculative decoding's rollback: the rejected tail's slots are
+        released, and a block that holds none of the kept tokens goes back
+        to the free list, unhashed). Only tokens past the committed blocks
+        can go: a hashed block never holds a rejected token."""
+        table = self.tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        assert keep >= self._committed.get(seq_id, 0), "trimming into a committed block"
+        while len(table) > keep:
+            self._release(table.pop())
 
     def commit(self, seq: Tokens, num_computed: int) -> None:
         """Hash the blocks that ``num_computed`` tokens have filled, making

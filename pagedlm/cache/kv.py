@@ -210,16 +210,21 @@ class RotatingKVCache:
         return (dist >= 0) & (dist < self.max_size)
 
     def is_trimmable(self) -> bool:
+        """Whether any number of tokens can be trimmed: before the window first fills."""
         return self.offset < self.max_size
 
     def trim(self, n: int) -> int:
-        """Rewind ``n`` tokens; only possible before the window first fills
-        (afterwards the overwritten tokens are gone), else trims nothing."""
-        if not self.is_trimmable():
-            return 0
+        """Rewind ``n`` tokens when what stays still holds every key the next
+        query sees (the last ``max_size - 1``, or all of them): before the
+        window first fills, or right after a multi-token update that kept
+        the window before its new tokens (a speculative verify row's
+        rejected tail); else trims nothing. Invariant kept: a linear
+        buffer holds at least min(offset, max_size - 1) tokens."""
         n = min(self.offset, n)
+        if self._ring or self._n - n < min(self.offset - n, self.max_size - 1):
+            return 0
         self.offset -= n
-        self._n -= n  # before wrap-around, _n == offset
+        self._n -= n
         return n
 
     @property

@@ -77,6 +77,15 @@ class KVStore:
             k, v = self.pools.gather(layer, blocks, length - first * bs)
             self.rows[seq_id][layer].update_and_fetch(k[0, k.shape[1] - keep :], v[0, v.shape[1] - keep :])
 
+    def trim_row(self, seq_id: int, n: int) -> None:
+        """Drop the last ``n`` tokens of a sequence's per-row caches (the
+        rejected tail of a speculative verify row, written this step). The
+        pools' slots are the block manager's to release (``BlockManager.trim``)."""
+        caches = self.rows[seq_id]
+        for i in self.layout.row_layers:
+            if caches[i].trim(n) != n:
+                raise RuntimeError(f"layer {i} of sequence {seq_id} cannot drop its last {n} tokens")
+
     def pop_row(self, seq_id: int) -> list[Cache | None]:
         """Take a sequence's per-row caches away (to dispose or keep)."""
         return self.rows.pop(seq_id)

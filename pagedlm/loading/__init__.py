@@ -14,7 +14,7 @@ from .catalog import DEFAULT_MODEL, list_models, resolve
 from .errors import LoadError, ModelNotFound, error_detail
 from .hf import load_model
 
-__all__ = ["load", "resolve", "list_models", "load_model", "ModelNotFound", "LoadError", "DEFAULT_MODEL"]
+__all__ = ["load", "load_tokenizer", "resolve", "list_models", "load_model", "ModelNotFound", "LoadError", "DEFAULT_MODEL"]
 
 
 def load(
@@ -30,14 +30,10 @@ def load(
     turns flags and the environment into one) stores the linear layers and
     the embedding quantized (``loading.quant``)."""
     from pagedlm.options import check_quantization
-    from pagedlm.tokenizer import Tokenizer
 
     check_quantization(quantization)
     folder = resolve(spec)
-    try:  # first: it fails in a second where the weights take longer
-        tokenizer = Tokenizer.from_folder(folder)
-    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
-        raise LoadError(f"{folder}: cannot read its tokenizer ({error_detail(e)})") from None
+    tokenizer = load_tokenizer(folder)  # first: it fails in a second where the weights take longer
     if quantization == "none":
         model = load_model(folder, device, dtype)
     else:
@@ -45,3 +41,13 @@ def load(
 
         model = load_quantized(folder, quantization, device, dtype)
     return model, tokenizer
+
+
+def load_tokenizer(folder):
+    """The Tokenizer of a resolved model folder; a LoadError if it cannot be read."""
+    from pagedlm.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_folder(folder)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        raise LoadError(f"{folder}: cannot read its tokenizer ({error_detail(e)})") from None

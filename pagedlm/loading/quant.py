@@ -181,8 +181,6 @@ def convert(folder: str | Path, mode: str, out: Path) -> None:
 def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """The model for ``folder`` with its Linear / Embedding weights in ``mode``,
     converting them into the cache first if needed."""
-    from pagedlm.models.layers import Embedding
-
     path = quantized_path(folder, mode)
     if not path.is_file():
         convert(folder, mode, path)
@@ -195,19 +193,29 @@ def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dt
         fill(model, {k: f.get_tensor(k) for k in keys - quantized}, path, strict=False)
         for name, module in layers.items():
             tensors = {p: f.get_tensor(f"{name}.{p}") for p in _PARTS if f"{name}.{p}" in keys}
-            if "qweight" not in tensors:
-                raise LoadError(f"{path}: no quantized weight for {name}")
-            is_embedding = isinstance(module, Embedding)
-            try:
-                quant = QuantizedWeight.from_stored(tensors, tuple(module.weight.shape), device,
-                                                    rows=is_embedding, linear=not is_embedding or tied)
-            except ValueError as e:
-                raise LoadError(f"{folder}: the weights do not fit config.json ({name}: {e})") from None
-            module.set_quantized(quant, dtype)
+            set_stored(module, name, tensors, tied, device, dtype, folder)
     check_loaded(model, path)
     model.to(device=device, dtype=dtype)  # norms and biases; quantized buffers stay as built
     model.requires_grad_(False)
     return model.eval()
+
+
+def set_stored(module: nn.Module, name: str, tensors: dict[str, torch.Tensor], tied: bool,
+               device: str | torch.device, dtype: torch.dtype, where: str | Path) -> None:
+    """Give ``module`` (a ``quantizable`` layer named ``name``) its stored
+    tensors (``qweight``, ``scales``, ``mins``) as a ``QuantizedWeight``; a
+    LoadError names ``where`` for tensors that are missing or do not fit."""
+    from pagedlm.models.layers import Embedding
+
+    if "qweight" not in tensors:
+        raise LoadError(f"{where}: no quantized weight for {name}")
+    is_embedding = isinstance(module, Embedding)
+    try:
+        quant = QuantizedWeight.from_stored(tensors, tuple(module.weight.shape), device,
+                                            rows=is_embedding, linear=not is_embedding or tied)
+    except ValueError as e:
+        raise LoadError(f"{where}: the weights do not fit config.json ({name}: {e})") from None
+    module.set_quantized(quant, dtype)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -130,7 +130,12 @@ def run(options: ServerOptions) -> int:
     check_tls(options.ssl_keyfile, options.ssl_certfile)
     sock = bind(options.host, options.port)
     log.info("loading %s on %s", options.model, device)
-    model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
+    if options.engine.tensor_parallel_size > 1:  # every rank reads only its slices
+        from pagedlm.parallel import load_parallel
+
+        model, tokenizer = load_parallel(options.model, device, dtype, options.quantization, options.engine)
+    else:
+        model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
     engine = LLMEngine(model, tokenizer, options.engine)
     metrics = Metrics(model_name=options.model_names[0])
     lane = EngineLoop(engine, options.max_queue, metrics, options.max_prompts_per_request)

@@ -9,7 +9,9 @@ and a ``model_name`` label. Gauges that
 describe state (queue depth, KV bytes, paged blocks, prompt-cache and
 prefix-cache counters)
 are read at scrape time from the objects that own that state, so there is
-no second copy to keep in step.
+no second copy to keep in step; so are speculative decoding's counters
+(``pagedlm_spec_decode_num_drafts``, ``_num_draft_tokens``,
+``_num_accepted_tokens``, ``_num_emitted_tokens``: vLLM's names).
 """
 
 from __future__ import annotations
@@ -107,6 +109,25 @@ class _StateCollector(Collector):
                                     value=caches.blocks_free)
         if caches.blocks_total is not None and caches.prefix_caching:
             yield from _prefix_cache(caches)
+        if engine.options.speculative is not None:
+            yield from _speculative(engine)
+
+
+def _speculative(engine: "LLMEngine") -> Iterable:
+    """Speculative decoding's counters (vLLM's ``spec_decode`` names), and what they give."""
+    spec = engine.spec_stats
+    for name, value, doc in (
+            ("num_drafts", spec.drafts, "Verify rows run (decode rows that proposed tokens)"),
+            ("num_draft_tokens", spec.draft_tokens, "Tokens proposed"),
+            ("num_accepted_tokens", spec.accepted_tokens, "Proposed tokens the model accepted"),
+            ("num_emitted_tokens", spec.emitted_tokens,
+             "Tokens the verify rows emitted: accepted ones plus the model's own next token")):
+        yield CounterMetricFamily(f"pagedlm_spec_decode_{name}", doc, value=value)
+    yield GaugeMetricFamily("pagedlm_spec_decode_acceptance_rate", "num_accepted_tokens / num_draft_tokens since start",
+                            value=spec.acceptance_rate)
+    yield GaugeMetricFamily("pagedlm_spec_decode_mean_accepted_length",
+                            "num_emitted_tokens / num_drafts since start (vLLM's mean acceptance length)",
+                            value=spec.mean_accepted_length)
 
 
 def _prefix_cache(caches: "CacheStats") -> Iterable:

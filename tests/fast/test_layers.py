@@ -24,6 +24,8 @@ LAYERS = [
     {"attention"},
     {"models"},
     {"loading"},
+    {"parallel"},
+    {"speculative"},
     {"batch"},
     {"llm", "generate", "server", "bench", "cli", "__init__"},
 ]

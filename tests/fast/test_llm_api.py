@@ -290,8 +290,8 @@ def test_other_vllm_keywords_are_honoured_or_refused_by_name(model, tokenizer):
     assert LLM(model, tokenizer=tokenizer, tensor_parallel_size=1, served_model_name=["tiny", "alias"],
                max_model_len=64).engine.max_model_len == 64
     assert LLM(model, tokenizer=tokenizer, served_model_name=["tiny"]).served_model_name == "tiny"
-    with pytest.raises(OptionError, match="tensor_parallel_size=2"):
-        LLM(model, tokenizer=tokenizer, tensor_parallel_size=2)
+    with pytest.raises(OptionError, match="--tensor-parallel-size must be a positive integer"):
+        LLM(model, tokenizer=tokenizer, tensor_parallel_size=0)  # (2 and more: tests/fast/test_tensor_parallel.py)
     with pytest.raises(OptionError, match="quantization must be none, int8, int4 .*got 'awq'"):
         LLM("no-such-model", quantization="awq")  # refused before any loading
     with pytest.raises(OptionError, match="quantization='int8' applies when LLM loads the model by name"):

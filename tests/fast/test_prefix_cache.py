@@ -25,7 +25,8 @@ from pagedlm.cache.blocks import BlockManager
 from pagedlm.cache.layout import plan_layout
 from pagedlm.options import EngineOptions, PagedKvOptions, UnsupportedOption, resolve_engine_options
 from pagedlm.params import SamplingParams
-from tests.helpers import ATOL, GREEDY, CharTokenizer, Ops, block_bytes, drive, prompts, run_all, tiny_model
+from tests.helpers import (ATOL, GREEDY, CharTokenizer, GreedyOracle, Ops, block_bytes, drive, prompts, run_all,
+                           tiny_model)
 
 SALT = b"s" * 16
 
@@ -377,18 +378,22 @@ def _longest_runs(prefixes: set[tuple[int, ...]]) -> dict[tuple[int, ...], tuple
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from([Ops.ADD, Ops.ADD, Ops.STEP, Ops.STEP, Ops.ABORT]),
                           st.integers(0, 4), st.integers(0, 12), st.integers(1, 10)), min_size=5, max_size=40),
-       st.sampled_from([1, 2, 4]))
-def test_shared_block_invariants_hold_after_every_step(ops, block_size):
+       st.sampled_from([1, 2, 4]), st.sampled_from([3, 0, 1]))
+def test_shared_block_invariants_hold_after_every_step(ops, block_size, k):
     """Random arrivals (most sharing one of three prefixes, some repeating an
-    earlier sequence's tokens), finishes, aborts and (a small pool)
-    preemptions: after every scheduler step a block is free or referenced by
-    exactly the live sequences whose tables hold it, and a cached block
-    holds what it held when it was first seen cached (nothing writes into
-    a cached block), which is the keys and values of its tokens computed
-    alone; at the end every block is free."""
+    earlier sequence's tokens), finishes, aborts, (a small pool)
+    preemptions and (``k`` > 0) speculative decoding with proposals right
+    up to a random position: after every scheduler step a block is free or
+    referenced by exactly the live sequences whose tables hold it, and a
+    cached block holds what it held when it was first seen cached (nothing
+    writes into a cached block), which is the keys and values of its tokens
+    computed alone (never a rejected token's); at the end every block is free."""
     tok = CharTokenizer()
+    spec = dict(speculative="ngram", num_speculative_tokens=k) if k else {}
     engine = LLMEngine(_LLAMA, tok, caching(block_size, budget=block_bytes(_LLAMA, block_size) * (48 // block_size),
-                                            max_model_len=48, max_num_batched_tokens=16))
+                                            max_model_len=48, max_num_batched_tokens=16, **spec))
+    if k:
+        engine.proposer = GreedyOracle(_LLAMA, k)
     blocks, pools = engine.blocks, engine.store.pools
     added, rng = [], random.Random(0)
     prefix_of: dict[bytes, tuple[int, ...]] = {}  # block hash -> every token up to the block's end
@@ -406,6 +411,7 @@ def test_shared_block_invariants_hold_after_every_step(ops, block_size):
         assert set(engine.store.rows) == running
         for s in engine.scheduler.running:
             assert len(blocks.tables[s.seq_id]) >= blocks.blocks_for(s.num_computed)
+            assert not s.draft  # a proposal lives within its step
         for h, b in blocks.cached.items():
             tokens, then = first_seen.setdefault((h, b), (prefix_of[h], contents(b)))
             # (within ATOL: a block evicted, then computed again from the same tokens in
