@@ -6,7 +6,9 @@ these; a test module imports from here, never from another test module."""
 
 from __future__ import annotations
 
+import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,8 @@ from pagedlm.params import SamplingParams
 from pagedlm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
+    from subprocess import Popen
+
     from pagedlm.batch.engine import LLMEngine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,3 +261,54 @@ def paged_inputs(lengths, block_size, hq, hkv, d, dtype, seed=0, spare_blocks=3)
     seq_lens = torch.tensor(lengths)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     return to(q), to(k_pool), to(v_pool), to(tables), to(seq_lens)
+
+
+# -- a `pagedlm serve` process ------------------------------------------------------
+
+
+@dataclass
+class Server:
+    url: str
+    proc: "Popen"
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_server(*args: str, timeout: float = 180.0) -> Server:
+    """Start `pagedlm serve ARGS` on a free port, without the caller's
+    ``PAGEDLM_*`` settings (the conversion cache's folder kept), and wait
+    until /health answers; a server that exits or does not come up fails
+    the test with the end of its log."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import httpx
+    import pytest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLM_") or k == "PAGEDLM_CACHE_DIR"}
+    log = Path(tempfile.mkstemp(prefix="pagedlm-serve-", suffix=".log")[1])
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedlm.cli", "serve", "--port", str(port), *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{server.log_text()[-3000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not come up in {timeout}s:\n{server.log_text()[-3000:]}")
+        time.sleep(0.2)

@@ -11,14 +11,9 @@ cores.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -26,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedlm.server.app import MAX_BODY_BYTES
+from tests.helpers import Server, start_server
 
 pytestmark = pytest.mark.weights
 
@@ -35,45 +31,10 @@ SMOLLM = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
 
 
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(*args: str, timeout: float = 180.0):
-    """Start `pagedlm serve` and wait until /health answers."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PAGEDLM_") or k == "PAGEDLM_CACHE_DIR"}
-    log = Path(tempfile.mkstemp(prefix="pagedlm-serve-", suffix=".log")[1])
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedlm.cli", "serve", "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{server.log_text()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not come up in {timeout}s:\n{server.log_text()[-3000:]}")
-        time.sleep(0.2)
+    """Start `pagedlm serve` (``tests.helpers.start_server``), stop it after the test."""
+    server = start_server(*args, timeout=timeout)
+    proc = server.proc
     try:
         yield server
     finally:
@@ -82,7 +43,7 @@ def _start(*args: str, timeout: float = 180.0):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        log.unlink(missing_ok=True)
+        server.log.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,11 @@ box has two cores."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -30,7 +26,7 @@ from pagedlm.llm import LLM
 from pagedlm.loading import load
 from pagedlm.loading.quant import weight_bytes
 from pagedlm.params import SamplingParams
-from tests.helpers import ATOL
+from tests.helpers import ATOL, start_server
 
 pytestmark = pytest.mark.weights
 
@@ -142,42 +138,14 @@ def test_torchrun_ranks_serve_as_the_engines_workers(tmp_path):
 # -- the server ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(*args: str, timeout: float = 240.0):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLM_") or k == "PAGEDLM_CACHE_DIR"}
-    log = Path(tempfile.mkstemp(prefix="pagedlm-serve-tp-", suffix=".log")[1])
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedlm.cli", "serve", "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not come up in {timeout}s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-
-
 def test_server_over_two_ranks_streams_one_ranks_greedy_output_to_16_clients():
     prompts = [f"{p} ({i})" for i in range(4) for p in PROMPTS]  # 16
     max_tokens = 12
     ref = LLM(SMOLLM, max_model_len=512).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                                   use_tqdm=False)
     expected = [o.outputs[0].text for o in ref]
-    proc, url, log = _serve("--model", SMOLLM, "--tensor-parallel-size", "2", "--max-model-len", "512")
+    server = start_server("--model", SMOLLM, "--tensor-parallel-size", "2", "--max-model-len", "512", timeout=240.0)
+    proc, url = server.proc, server.url
     try:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
