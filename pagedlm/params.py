@@ -30,8 +30,11 @@ VLLM_ONLY_KEYS = {
     "structural_tag": "structural tags are not supported: send a grammar",
     "disable_any_whitespace": "JSON output may hold whitespace between tokens (a space, or a newline and an "
                               "indent); it cannot be turned off",
-    "disable_additional_properties": "a schema is followed as written: set additionalProperties: false in it",
 }
+# What the grammar always does (docs/design/structured-output.md): an object
+# schema that lists properties and says nothing of others takes no others.
+CLOSED_OBJECTS = ("an object schema that lists its properties takes no others unless it says so "
+                  "(additionalProperties: true or a schema)")
 
 
 @dataclass
@@ -155,6 +158,11 @@ def check_structured_outputs(value: object) -> "Constraint | None":
         for key, given in value.items():
             if key in CONSTRAINT_KINDS or (key in VLLM_ONLY_KEYS and given in (None, False)):
                 continue
+            if key == "disable_additional_properties":  # true is what the grammar does; false cannot be honoured
+                if given in (None, True):
+                    continue
+                raise OptionError(f"structured_outputs.disable_additional_properties must be true or null "
+                                  f"(got {given!r}): {CLOSED_OBJECTS}")
             if key == "disable_fallback":  # pagedlm has one grammar engine: it never falls back
                 if isinstance(given, bool) or given is None:
                     continue

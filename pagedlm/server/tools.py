@@ -133,7 +133,7 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> 
     one or more. The output is complete after a block (the row ends "stop").
     `APIError` naming a function whose parameters llguidance cannot follow."""
     from pagedlm.structured import Constraint
-    from pagedlm.structured.constraint import JSON_WHITESPACE
+    from pagedlm.structured.constraint import json_rule
 
     rules = []
     for i in chosen:
@@ -147,9 +147,8 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> 
         defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
         call = {**defs, "type": "object",
                 "properties": {"name": {"const": functions[i]["name"]}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False,
-                "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
-        rules.append(f"fn{i}: %json {json.dumps(call, ensure_ascii=False)}")
+                "required": ["name", "arguments"], "additionalProperties": False}
+        rules.append(f"fn{i}: %json {json_rule(call)}")  # numbers bounded, whitespace as in json rows
     start = 'start: call ("\\n"? call)*' if many else "start: call"
     call = (f'call: {json.dumps(TOOL_CALL_OPEN)} "\\n"? ({" | ".join(f"fn{i}" for i in chosen)}) "\\n"? '
             f"{json.dumps(TOOL_CALL_CLOSE)}")

@@ -18,8 +18,15 @@ Exactly one kind per constraint:
   llguidance translates to Lark; the two are told apart by their syntax.
 
 JSON output may put a space, or a newline and up to 20 spaces or tabs of
-indent, between tokens (llama.cpp's rule): compact and pretty-printed JSON both
-fit, and a model cannot wander into whitespace forever.
+indent, between tokens and once after the value (llama.cpp's ``space`` rule):
+compact and pretty-printed JSON both fit, a model may end its line before its
+end-of-sequence token, and it cannot wander into whitespace forever. Integers,
+and the integer part of numbers, have at most 16 digits where the schema does
+not bound them (llama.cpp's bound), fractions at most 10: a small model's run
+of zeros must end. An object schema that lists its properties and says
+nothing of others takes no others (vLLM's default backend's rule). All of it
+in `bounded_schema`: what the grammar is compiled from, never the request's
+schema, which every output still validates against.
 """
 
 from __future__ import annotations
@@ -32,7 +39,15 @@ import llguidance
 from pagedlm.options import OptionError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+JSON_SPACE = r"(?: |\n[ \t]{0,20})"  # llama.cpp's space: one space, or a newline and an indent
+JSON_WHITESPACE = JSON_SPACE + "?"  # between two tokens of a JSON value
+NUMBER_BOUND = 10**16 - 1  # |an integer| with at most 16 digits (llama.cpp's json-schema-to-grammar)
+# A number's fraction: at most 10 digits (llama.cpp: 16). As a multipleOf, the one way llguidance
+# takes it; it refuses 1e-12 (a float it reads as 9999999999999998e-28: "too many digits").
+FRACTION_STEP = 1e-10
+# RFC 3339's full-time with at most 9 digits of a second's fraction (llama.cpp: 3) and no leap second
+# (jsonschema's check refuses 23:59:60): llguidance's "time" takes any number of digits.
+TIME_PATTERN = r"^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$"
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,10 @@ class Constraint:
             if not self.choice:
                 raise OptionError("choice must hold at least one string (got [])")
             checked = replace(self, choice=tuple(self.choice))
-        error = llguidance.LLMatcher.validate_grammar(checked.llguidance_grammar())
+        # A schema alone first: its error then reads as the schema's, not as the Lark wrapper's.
+        error = kind == "json" and llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bounded_schema(checked.json))))
+        error = error or llguidance.LLMatcher.validate_grammar(checked.llguidance_grammar())
         if error:
             raise OptionError(_refusal(checked, error))
         return checked
@@ -101,9 +119,7 @@ class Constraint:
         """The grammar llguidance compiles (its JSON grammar format)."""
         kind = self.kind
         if kind in ("json", "json_object"):
-            schema = self.json if kind == "json" else {"type": "object"}
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+            return json_grammar(self.json if kind == "json" else {"type": "object"})
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":
@@ -112,6 +128,103 @@ class Constraint:
             return llguidance.grammar_from("grammar", self.grammar)
         except ValueError as e:  # GBNF that does not translate
             raise OptionError(f"grammar does not compile: {one_line(str(e))}") from None
+
+
+def json_grammar(schema: dict) -> str:
+    """A Lark grammar (llguidance's) of one JSON value valid against
+    ``schema`` (compiled from `bounded_schema`), then at most one
+    `JSON_SPACE`: a newline (and indent) or a space may end the output, the
+    end-of-sequence token may follow the value or that space."""
+    return llguidance.grammar_from("lark", f"start: value TRAIL?\nvalue: %json {json_rule(schema)}\n"
+                                           f"TRAIL: /{JSON_SPACE}/")
+
+
+def json_rule(schema: dict) -> str:
+    """``schema`` as the text after a Lark ``%json``: `bounded_schema`,
+    `JSON_WHITESPACE` between tokens unless its own
+    ``x-guidance`` options say otherwise."""
+    options = {"whitespace_pattern": JSON_WHITESPACE, **schema.get("x-guidance", {})}
+    return json.dumps({**bounded_schema(schema), "x-guidance": options}, ensure_ascii=False)
+
+
+# Keywords whose value is a subschema, a list of them, or a map of names to them.
+_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def bounded_schema(schema: object) -> object:
+    """``schema`` as the grammar is compiled from it: `_bounded`, its objects
+    closed (`_closed`) unless something in it intersects schemas (``allOf``,
+    a ``$ref`` beside other keywords), which closed branches would empty."""
+    return _bounded(schema, close=not _intersects(schema))
+
+
+def _intersects(schema: object) -> bool:
+    """Whether llguidance would intersect two schemas somewhere in ``schema``."""
+    if isinstance(schema, list):
+        return any(_intersects(s) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    if "allOf" in schema or ("$ref" in schema and len(set(schema) - {"$ref", "$defs", "definitions"}) > 0):
+        return True
+    return any(_intersects(v) for k, v in schema.items() if k not in ("enum", "const", "default", "examples"))
+
+
+def _closed(schema: dict) -> bool:
+    """An object schema that lists its ``properties``, says nothing of
+    others and requires none beyond them: vLLM's xgrammar backend (its
+    default; xgrammar's ``strict_mode``) and outlines take no other keys
+    there, and so do we (a small model otherwise adds keys forever)."""
+    required = schema.get("required", [])
+    return isinstance(schema.get("properties"), dict) and not {
+        "additionalProperties", "patternProperties", "unevaluatedProperties", "propertyNames", "maxProperties",
+        "minProperties"} & set(schema) and isinstance(required, list) and set(required) <= set(schema["properties"])
+
+
+def _bounded(schema: object, close: bool) -> object:
+    """``schema`` with every ``integer`` or ``number`` it types given the
+    bounds +-`NUMBER_BOUND` it lacks (a bound the schema sets, or a value it
+    lists, is kept as is) and every ``number`` a ``multipleOf`` of
+    `FRACTION_STEP` unless it has one: what a model writes then has at most
+    16 digits before a decimal point and 10 after it, and no exponent
+    (llguidance writes a bounded number without one); and a ``"format":
+    "time"`` without a ``pattern`` written as `TIME_PATTERN`. Every output
+    still validates against ``schema``."""
+    if not isinstance(schema, dict):  # true / false, or a keyword's non-schema value
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _bounded(sub, close) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [_bounded(sub, close) for sub in value]
+        elif key in _ONE_SCHEMA:
+            value = _bounded(value, close)
+        out[key] = value
+    if close and _closed(schema):
+        out["additionalProperties"] = False
+    if out.get("format") == "time" and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = TIME_PATTERN
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if {"integer", "number"} & set(types) and "enum" not in schema and "const" not in schema:
+        low = _number(schema.get("minimum"), schema.get("exclusiveMinimum"))
+        high = _number(schema.get("maximum"), schema.get("exclusiveMaximum"))
+        if not {"maximum", "exclusiveMaximum"} & set(schema) and (low is None or low < NUMBER_BOUND):
+            out["maximum"] = NUMBER_BOUND
+        if not {"minimum", "exclusiveMinimum"} & set(schema) and (high is None or high > -NUMBER_BOUND):
+            out["minimum"] = -NUMBER_BOUND
+        if "number" in types and "multipleOf" not in schema:
+            out["multipleOf"] = FRACTION_STEP
+    return out
+
+
+def _number(*bounds: object) -> float | None:
+    """The first of a schema's bounds that is a number (not a bool), else None."""
+    return next((b for b in bounds if isinstance(b, (int, float)) and not isinstance(b, bool)), None)
 
 
 def _schema(value: object) -> dict:

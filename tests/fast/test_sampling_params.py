@@ -325,8 +325,8 @@ def test_structured_outputs_become_a_validated_constraint():
     ({"structural_tag": {"x": 1}, "json_object": True}, "structured_outputs.structural_tag is not supported"),
     ({"disable_any_whitespace": True, "json_object": True},
      "structured_outputs.disable_any_whitespace is not supported"),
-    ({"disable_additional_properties": True, "json_object": True},
-     "structured_outputs.disable_additional_properties is not supported"),
+    ({"disable_additional_properties": False, "json_object": True},
+     "structured_outputs.disable_additional_properties must be true or null"),
     ({"disable_fallback": "yes", "json_object": True}, "structured_outputs.disable_fallback must be true or false"),
     ({"backend": "xgrammar", "json_object": True}, "structured_outputs.backend is not a structured output field"),
     ("a+", "structured_outputs must be a Constraint or a dict"),
@@ -334,6 +334,12 @@ def test_structured_outputs_become_a_validated_constraint():
 def test_bad_structured_outputs_are_refused_naming_the_key(value, message):
     with pytest.raises(OptionError, match=f"^{message}"):
         SamplingParams(structured_outputs=value).validate()
+
+
+def test_disable_additional_properties_true_is_what_the_grammar_does():
+    for given in (True, None):
+        params = SamplingParams(structured_outputs={"json": {"type": "object"}, "disable_additional_properties": given})
+        assert params.validate().structured_outputs.json == {"type": "object"}
 
 
 def test_a_constrained_request_leaves_control_tokens_to_its_grammar():

@@ -30,7 +30,7 @@ from pagedlm.sampling import sample, token_rules
 from pagedlm.structured import Constraint, GrammarCompiler, mask_bias, masked_logits
 from pagedlm.tokenizer import Tokenizer
 from tests.helpers import tiny_tokenizer
-from tests.schemas import CHOICES, INT, REGEXES, SCHEMAS, STR
+from tests.schemas import CHOICES, INT, NUM, REGEXES, SCHEMAS, STR
 
 MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 PAD = 37  # logits wider than the vocabulary (a padded embedding): the extra ids are never allowed
@@ -225,6 +225,61 @@ def tiny():
     compiler = GrammarCompiler(tiny_tokenizer(), 300, capacity=2)
     compiler.warm_up()
     return compiler
+
+
+def takes(tiny, schema: dict, text: str, then_eos: bool = False) -> str:
+    """What ``schema``'s grammar says after ``text``, byte by byte (then the
+    end-of-sequence token): "refused", "stopped" (nothing may follow),
+    "complete" (it may end here or go on) or "incomplete"."""
+    matcher = tiny.matcher(Constraint(json=schema).validate())
+    wait_ready_matcher(matcher)
+    tokens = tiny.tokenizer.encode(text, add_special_tokens=False)
+    for token in tokens + (sorted(tiny.tokenizer.eos_token_ids)[:1] if then_eos else []):
+        matcher.advance(token)
+        if matcher.is_dead:
+            return "refused"
+    if matcher.is_finished:
+        return "stopped"
+    return "complete" if matcher._matcher.is_accepting() else "incomplete"
+
+
+def test_json_numbers_objects_whitespace_and_times_are_bounded(tiny):
+    """At most 16 digits, and 10 of fraction, where the schema sets no bound
+    (its own bounds and values kept); objects closed; one space, or a newline and 20 of indent, after the value,
+    and the end-of-sequence token then ends it; a time's fraction of at most 9 digits."""
+    nine, many = "9" * 16, "9" * 17
+    assert takes(tiny, INT, nine) == takes(tiny, INT, "-" + nine) == "complete"
+    assert takes(tiny, INT, many) == takes(tiny, {"type": "array", "items": INT}, f"[1, {many}") == "refused"
+    assert takes(tiny, {"type": "integer", "minimum": 1000}, many) == "refused"
+    assert takes(tiny, {"type": "integer", "maximum": 10**18}, "9" * 18) == "complete"  # its own bound
+    assert takes(tiny, {"type": "integer", "minimum": 10**17}, "9" * 18) == "complete"  # beyond ours: unbounded
+    assert takes(tiny, {"type": "integer", "enum": [10**17, 1]}, str(10**17)) == "complete"
+    assert takes(tiny, {"type": ["number", "string"]}, many) == "refused"
+    assert takes(tiny, {"type": ["number", "string"]}, '"' + many + '"') == "complete"
+    assert takes(tiny, NUM, "-12.5") == takes(tiny, NUM, "3.1415926535") == "complete"
+    assert takes(tiny, NUM, many + ".5") == takes(tiny, NUM, "1e5") == "refused"  # bounded: no exponent
+    assert takes(tiny, NUM, "3.14159265358") == takes(tiny, {"type": "number", "maximum": 1}, "0.00000000001") \
+        == "refused"  # 11 digits of fraction
+    assert takes(tiny, {"type": "number", "multipleOf": 0.5}, "2.5") == "complete"  # its own multipleOf
+
+    obj = {"type": "object", "properties": {"a": INT}}
+    assert takes(tiny, obj, '{"a": 1}') == takes(tiny, obj, '{"a": 1}\n') == "complete"
+    assert takes(tiny, obj, '{"a": 1}\n' + " " * 20) == takes(tiny, obj, '{"a": 1} ') == "stopped"
+    assert takes(tiny, obj, '{"a": 1}\n', then_eos=True) == takes(tiny, INT, "7", then_eos=True) == "stopped"
+    assert takes(tiny, obj, '{"a": 1}\n\n') == takes(tiny, obj, '{"a": 1}  ') == takes(tiny, obj, ' {') == "refused"
+
+    # Objects that list their properties take no others (vLLM's default backend's rule), unless the
+    # schema says so, or intersects schemas (allOf: closed branches would leave nothing).
+    assert takes(tiny, obj, '{"a": 1, "b"') == "refused"
+    assert takes(tiny, {**obj, "additionalProperties": STR}, '{"a": 1, "b": "x"}') == "complete"
+    assert takes(tiny, {"type": "object"}, '{"a": 1, "b": {"c": [1]}}') == "complete"
+    assert takes(tiny, {"allOf": [obj, {"type": "object", "properties": {"b": STR}}]}, '{"a": 1, "b": "x", "c": 2}') \
+        == "complete"
+    time_ = {"type": "string", "format": "time"}
+    assert takes(tiny, time_, '"12:00:00.123456789Z"') == takes(tiny, time_, '"01:02:03+05:30"') == "complete"
+    assert takes(tiny, time_, '"12:00:00.1234567890') == takes(tiny, time_, '"23:59:60Z"') == "refused"
+    for schema in (INT, NUM, time_, SCHEMAS[-1]):  # the schema itself is unchanged (the key is its own)
+        assert Constraint(json=schema).validate().json == schema
 
 
 def test_equal_constraints_compile_once_and_a_row_never_waits(tiny):
