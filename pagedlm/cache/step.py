@@ -20,7 +20,7 @@ class StepBatch:
     input_ids: torch.Tensor  # [T] the new tokens of every row, row after row
     positions: torch.Tensor  # [T] each token's position in its sequence
     seq_lens: torch.Tensor  # [B] keys of row r after this step
-    logits_rows: torch.Tensor  # [S] index into T of the last token of each row that samples
+    logits_rows: torch.Tensor  # [S] index into T of the last token of each row that samples (a verify row: its 1 + d)
     slot_mapping: torch.Tensor | None  # [T] paged store: pool slot of each new key/value
     block_tables: torch.Tensor | None  # [B, W] paged store: each row's blocks, padded with -1
     # Host copies, for the reference paths (no device reads per layer).
