@@ -108,12 +108,14 @@ def main() -> None:
             saved = (pa.PREFILL_BLOCK_M, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS)
             for bm, bn, w in variants:
                 pa.PREFILL_BLOCK_M, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS = bm, bn, w
+                pa.prefill_constants.cache_clear()  # the tile sizes are read there, and cached
                 try:
                     timings[f"kernel {bm},{bn},{w}"] = do_bench(kernel, warmup=10, rep=50)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
                     row[f"kernel {bm},{bn},{w}"] = f"{type(e).__name__}"
                 finally:
                     pa.PREFILL_BLOCK_M, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS = saved
+                    pa.prefill_constants.cache_clear()
             for name, ms in timings.items():
                 row[f"{name}_ms"] = round(ms, 4)
                 row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)

@@ -236,26 +236,23 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     speculation = {name: getattr(engine_options, name) for name in SPECULATION}
     method = speculation["speculative"]
     engine_options = dataclasses.replace(engine_options, **dict.fromkeys(SPECULATION))  # the plain rows
-    stores = 1 + len(paged_configs(engine_options, device))
-    alive = (stores * (1 + (method is not None)) + (engine_options.kv_quant != "none")
-             + (quantization != "none") + (args.against == "hf"))
-    engine_options = shared_budget(engine_options, device, alive)  # every runner lives through the rounds
     kv_quant = engine_options.kv_quant
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
     store_options = {"default": default_store(engine_options), **paged_configs(unquantized, device)}
-    runners: dict[str, Callable] = {name: _ours(model, tokenizer, options, args.gen_len)
-                                    for name, options in store_options.items()}
+    configs = dict(store_options)
     if method is not None:  # each store again, speculating, beside its plain row
-        for name, options in store_options.items():
-            runners[f"{name}-{method}"] = _ours(model, tokenizer, dataclasses.replace(options, **speculation),
-                                                args.gen_len)
+        configs.update({f"{name}-{method}": dataclasses.replace(options, **speculation)
+                        for name, options in store_options.items()})
     if kv_quant != "none":  # 8-bit blocks against the unquantized paged store, same run
-        runners[f"paged-{kv_quant}"] = _ours(model, tokenizer, engine_options, args.gen_len)
-    models = dict.fromkeys(runners, model)
+        configs[f"paged-{kv_quant}"] = engine_options
+    models = dict.fromkeys(configs, model)
     if quantization != "none":
         models[quantization] = load_for_bench(args, quantization=quantization)[0]
-        runners[quantization] = _ours(models[quantization], tokenizer, fastest_config(unquantized, device),
-                                      args.gen_len)
+        configs[quantization] = fastest_config(unquantized, device)
+    alive = len(configs) + (args.against == "hf")  # every runner lives through the rounds
+    configs = {name: shared_budget(options, device, alive) for name, options in configs.items()}  # before any pool
+    runners: dict[str, Callable] = {name: _ours(models[name], tokenizer, options, args.gen_len)
+                                    for name, options in configs.items()}
     if args.against == "hf":
         runners["hf"] = _hf(hf_model(spec, args.random_weights, model, device, dtype), device, args.gen_len)
     if args.against == "llama.cpp":

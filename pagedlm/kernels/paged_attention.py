@@ -58,8 +58,8 @@ WARPS = 4  # warps per decode program
 PAIRED_SCALES = 1  # 8-bit head-major pools: scales load as 32-bit pairs (asynchronously)
 NO_WINDOW = 2**31 - 1  # int32: seq_len - NO_WINDOW never overflows
 MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to it
-PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most (halved for head dim 256)
-PREFILL_BLOCK_N = 128  # ... and keys a tile (halved for head dim 256: 128 x 256 tiles exceed shared memory)
+PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most, for 256-byte query rows
+PREFILL_BLOCK_N = 128  # ... and keys a tile (both halved per doubling of a row's bytes: shared memory)
 PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
 SHORT_QUERIES = 16  # a step whose rows have at most this many queries (verify rows) takes short tiles
 
@@ -530,6 +530,7 @@ def paged_decode(
     return out
 
 
+@functools.cache  # once per layer shape and tile class, not per layer and step
 def prefill_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size: int, quant: bool,
                       max_query_len: int) -> dict:
     """The multi-query kernel's compile-time constants: a tile is BLOCK_Q
@@ -541,7 +542,7 @@ def prefill_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_siz
     step whose rows have at most SHORT_QUERIES queries (verify rows) takes
     tiles of that many queries, any other the full tile."""
     g_pad = triton.next_power_of_2(group)
-    shrink = max(1, head_dim * torch.empty((), dtype=q_dtype).element_size() // 256)
+    shrink = max(1, head_dim * q_dtype.itemsize // 256)
     block_m, block_n = max(MIN_DOT, PREFILL_BLOCK_M // shrink), max(MIN_DOT, PREFILL_BLOCK_N // shrink)
     block_q = max(1, block_m // g_pad)
     if max_query_len <= SHORT_QUERIES:
@@ -584,7 +585,8 @@ def paged_prefill(
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
-    consts = prefill_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, max_query_len)
+    consts = prefill_constants(q.dtype, Hq // Hkv, D, BS, scales is not None,
+                               min(max_query_len, SHORT_QUERIES + 1))  # the cache keys on the tile class
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     grid = (T // consts["BLOCK_Q"] + B, Hkv)
     _prefill_kernel[grid](

@@ -401,3 +401,21 @@ def test_structured_flags_need_a_json_schema(capsys):
     assert main(["bench", "throughput", "--device", "cpu", "--structured-batch-sizes", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "need --json-schema" in err
+
+
+def test_engines_alive_at_once_on_cuda_share_one_kv_budget(monkeypatch):
+    """bench decode keeps every row's engine through the rounds: on CUDA each
+    gets an equal share of the fraction of free memory, computed before any
+    pool exists; a budget the user gave stands, and the CPU is left alone."""
+    from pagedlm import options as opt
+    from pagedlm.bench.common import shared_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 141 << 30))
+    base = opt.EngineOptions()
+    assert shared_budget(base, "cuda", 4).kv_budget_bytes == int((100 << 30) * 0.9) // 4
+    half = opt.EngineOptions(gpu_memory_fraction=0.5)
+    shared = shared_budget(half, "cuda", 2)
+    assert shared.kv_budget_bytes == (100 << 30) // 4 and shared.gpu_memory_fraction is None
+    given = opt.EngineOptions(kv_budget_bytes=1 << 30)
+    assert shared_budget(given, "cuda", 4) == given
+    assert shared_budget(base, "cpu", 4) == base
