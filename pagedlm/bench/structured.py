@@ -202,13 +202,13 @@ def _rows(base: dict, batch: int, runs: dict[bool, list[BatchRun]], compiles: in
     for structured in (False, True):
         r = _median(runs[structured])
         row = {"name": "structured-json" if structured else "unconstrained", **base, "structured": structured,
-               "batch": batch, "ms_per_step": round(r.ms_per_step, 3), "steps": r.decode_steps,
+               "batch": batch, "ms_per_step": round(r.ms_per_step, 4), "steps": r.decode_steps,
                "output_tokens": r.output_tokens,
                "mean_batch": round(r.decode_tokens / r.decode_steps, 2) if r.decode_steps else 0.0,
                "sample_ms_per_step": round(1000 * r.sample_s / r.decode_steps, 3) if r.decode_steps else 0.0,
                "sample_share": round(r.sample_s / r.decode_s, 4) if r.decode_s else 0.0,
                "prefill_steps": r.prefill_steps, "prefill_s": round(r.prefill_s, 3), "preemptions": r.preemptions,
-               "all_ms_per_step": [round(x.ms_per_step, 3) for x in runs[structured]]}
+               "all_ms_per_step": [round(x.ms_per_step, 4) for x in runs[structured]]}
         if structured:
             free = rows[0]
             # Run by run: each pair ran back to back, under the same load from the rest of the machine.
