@@ -236,11 +236,15 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
     if not constrained:
         _pick(logits, seqs, range(len(seqs)), tokens)
         return tokens
-    from pagedlm.structured import masked_logits  # llguidance is imported only when a request has a grammar
+    from pagedlm.structured import fill_bitmask, masked_logits  # llguidance is imported only when a request has a grammar
 
+    # The masks first: host work that overlaps the device's step still in flight
+    # (on CUDA the picks below wait for its logits).
+    matchers = [seqs[i].matcher for i in constrained]
+    filled = fill_bitmask(matchers)
     taken = set(constrained)
     _pick(logits, seqs, [i for i in range(len(seqs)) if i not in taken], tokens)
-    masked, live = masked_logits(logits[constrained], [seqs[i].matcher for i in constrained])
+    masked, live = masked_logits(logits[constrained], matchers, filled)
     picked: list[int | None] = [None] * len(constrained)
     _pick(masked, [seqs[i] for i in constrained], [j for j, ok in enumerate(live) if ok], picked)
     for i, t in zip(constrained, picked):

@@ -19,6 +19,7 @@ from ..loading import load, resolve
 from ..loading.quant import quantize_model
 from ..models import build_model
 from ..models.layers import FUSED_PROJECTIONS
+from ..tokenizer import Tokenizer
 
 # -- the model -------------------------------------------------------------------
 
@@ -53,7 +54,10 @@ class _SyntheticTokenizer:
 def load_random(folder: str, device: str, dtype: torch.dtype):
     """A model with random weights from a folder's config.json: matrices
     normal(0, 0.02), vectors (norm weights, biases) normal(0, 1) so that a
-    greedy trajectory wanders instead of repeating one token."""
+    greedy trajectory wanders instead of repeating one token. With a
+    tokenizer.json beside the config, that tokenizer (a bench whose work
+    depends on the vocabulary, grammar masks, needs real tokens); else
+    synthetic prompt ids."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise opt.OptionError(f"--random-weights needs a folder with a config.json (got {folder!r})")
@@ -64,6 +68,12 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02 if p.dim() >= 2 else 1.0, generator=g)
+    if (Path(folder) / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_folder(folder)
+        if tokenizer.vocab_size > config["vocab_size"]:
+            raise opt.OptionError(f"{folder}/tokenizer.json has {tokenizer.vocab_size} tokens, more than "
+                                  f"the config's vocab_size ({config['vocab_size']})")
+        return model, tokenizer
     return model, _SyntheticTokenizer(config["vocab_size"])
 
 

@@ -21,7 +21,10 @@ the engine's token budget holds the largest batch's prompts, so that each
 batch prefills in one step and decodes all its rows together. A row's ``ms_per_step`` is those seconds over
 those steps; ``mean_batch`` the tokens they sampled over the steps (below B
 once constrained rows finish early); ``sample_ms_per_step`` the part spent in
-`pagedlm.sampling.sample`, where the masks are filled and applied. The
+`pagedlm.sampling.sample`, where the masks are filled and applied (on CUDA,
+waiting for the step's logits too: nothing synchronizes for the clock), and
+``mask_fill_ms_per_step`` the host's time filling the bitmasks (on CUDA it
+overlaps the device's step, the fill coming before that wait). The
 constrained row gains ``mask_overhead``: its ms per step over the
 unconstrained row's, minus 1, run by run (each pair back to back), the
 median of ``all_mask_overhead``; and ``sample_overhead_share``: the extra
@@ -37,10 +40,12 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from .. import options as opt
+from .. import structured as structured_module
 from ..batch import engine as engine_module
 from ..batch.engine import LLMEngine
 from ..params import SamplingParams
@@ -58,6 +63,7 @@ class BatchRun:
     decode_steps: int
     decode_tokens: int  # tokens sampled in the decode steps
     sample_s: float  # of decode_s, inside `sample`
+    fill_s: float  # of sample_s, filling grammar bitmasks
     prefill_s: float
     prefill_steps: int
     output_tokens: int
@@ -71,49 +77,50 @@ class BatchRun:
         return 1000 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
-class _SamplerClock:
-    """Adds up the seconds the engine spends in `sample` while active. The
-    engine calls it by the name it imported, so that name is swapped (and
-    put back on exit). On CUDA the clock starts after the step's kernels
-    finish, so the forward pass is not counted as sampling."""
+class _Clock:
+    """Adds up the seconds spent in ``module.name`` while active: the callers
+    look the name up at call time (the engine calls `sample` by the name it
+    imported; `sample` imports `fill_bitmask` when a step has a grammar), so
+    that name is swapped, and put back on exit. Nothing synchronizes: on
+    CUDA, `sample` includes waiting for the step's logits, and the masks'
+    fill, host work before that wait, overlaps the device's step."""
 
-    def __init__(self) -> None:
+    def __init__(self, module, name: str) -> None:
         self.seconds = 0.0
-        self._sample = engine_module.sample
+        self._module, self._name = module, name
+        self._inner = getattr(module, name)
 
-    def _timed(self, logits: torch.Tensor, seqs: list) -> list:
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
+    def _timed(self, *args):
         t0 = time.perf_counter()
         try:
-            return self._sample(logits, seqs)
+            return self._inner(*args)
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def __enter__(self) -> "_SamplerClock":
-        engine_module.sample = self._timed
+    def __enter__(self) -> "_Clock":
+        setattr(self._module, self._name, self._timed)
         return self
 
     def __exit__(self, *exc) -> None:
-        engine_module.sample = self._sample
+        setattr(self._module, self._name, self._inner)
 
 
 def run_batch(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> BatchRun:
     """Run ``requests`` (prompt ids, params) at once to the end; time the decode steps apart from the prefill."""
     preempted = engine.num_preemptions
     seqs = [engine.add_request(ids, params)[0] for ids, params in requests]
-    with _SamplerClock() as clock:
+    with _Clock(engine_module, "sample") as clock, _Clock(structured_module, "fill_bitmask") as fill:
         t0, s0 = time.perf_counter(), engine.num_steps
         while engine.has_unfinished() and not all(s.output_ids or s.is_finished for s in seqs):
             engine.step()
         t1, s1 = time.perf_counter(), engine.num_steps
-        before, clock.seconds = sum(len(s.output_ids) for s in seqs), 0.0
+        before, clock.seconds, fill.seconds = sum(len(s.output_ids) for s in seqs), 0.0, 0.0
         while engine.has_unfinished():
             engine.step()
         t2 = time.perf_counter()
     produced = sum(len(s.output_ids) for s in seqs)
     return BatchRun(decode_s=t2 - t1, decode_steps=engine.num_steps - s1, decode_tokens=produced - before,
-                    sample_s=clock.seconds, prefill_s=t1 - t0, prefill_steps=s1 - s0, output_tokens=produced,
+                    sample_s=clock.seconds, fill_s=fill.seconds, prefill_s=t1 - t0, prefill_steps=s1 - s0, output_tokens=produced,
                     preemptions=engine.num_preemptions - preempted,
                     output_lengths=[len(s.output_ids) for s in seqs], texts=[s.text for s in seqs],
                     finish_reasons=[s.finish_reason for s in seqs])
@@ -149,9 +156,9 @@ def _one_step_prefill(options: opt.EngineOptions, prompts: list[list[int]], devi
 def _check(args) -> None:
     if args.against is not None:
         raise opt.OptionError("--json-schema measures pagedlm's masks alone: not with --against")
-    if args.random_weights:
-        raise opt.OptionError("--json-schema needs the model's own tokenizer (grammars are compiled over its "
-                              "vocabulary): not with --random-weights")
+    if args.random_weights and not (Path(args.model or "") / "tokenizer.json").is_file():
+        raise opt.OptionError("--json-schema needs a tokenizer (grammars are compiled over its vocabulary): "
+                              "with --random-weights, a tokenizer.json in the config's folder")
 
 
 def run_structured_bench(args, engine_options: opt.EngineOptions, constraint) -> int:
@@ -207,6 +214,7 @@ def _rows(base: dict, batch: int, runs: dict[bool, list[BatchRun]], compiles: in
                "mean_batch": round(r.decode_tokens / r.decode_steps, 2) if r.decode_steps else 0.0,
                "sample_ms_per_step": round(1000 * r.sample_s / r.decode_steps, 3) if r.decode_steps else 0.0,
                "sample_share": round(r.sample_s / r.decode_s, 4) if r.decode_s else 0.0,
+               "mask_fill_ms_per_step": round(1000 * r.fill_s / r.decode_steps, 4) if r.decode_steps else 0.0,
                "prefill_steps": r.prefill_steps, "prefill_s": round(r.prefill_s, 3), "preemptions": r.preemptions,
                "all_ms_per_step": [round(x.ms_per_step, 4) for x in runs[structured]]}
         if structured:

@@ -155,14 +155,16 @@ def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     return bitmask, [j in filled and m._filled(bitmask[j]) for j, m in enumerate(matchers)]
 
 
-def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
+def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher],
+                  filled: tuple[torch.Tensor, list[bool]] | None = None) -> tuple[torch.Tensor, list[bool]]:
     """``logits`` ``[rows, V]`` (a row per matcher) with the tokens each
     grammar refuses at -inf (a new tensor: the engine's logprobs read the
     model's own), and per row whether any token is allowed (False: dead). A
-    NaN (a refused token's +inf logit plus -inf, or the model's) becomes -inf."""
+    NaN (a refused token's +inf logit plus -inf, or the model's) becomes -inf.
+    ``filled``: what `fill_bitmask` gave for ``matchers`` already."""
     vocab = logits.shape[-1]
     if matchers[0].width < vocab:
         raise ValueError(f"the bitmasks ({matchers[0].width} tokens) must cover the {vocab} logits")
-    bitmask, live = fill_bitmask(matchers)
+    bitmask, live = filled if filled is not None else fill_bitmask(matchers)
     masked = mask_bias(bitmask.to(logits.device), vocab).add_(logits)
     return masked.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")), live

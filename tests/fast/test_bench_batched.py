@@ -350,6 +350,8 @@ def test_throughput_json_schema_rows_unconstrained_against_constrained(tiny_fold
     for r in rows:
         assert r["ms_per_step"] > 0 and r["steps"] >= 1 and 0 < r["mean_batch"] <= r["batch"]
         assert 0 < r["sample_ms_per_step"] < r["ms_per_step"] and 0 < r["sample_share"] < 1
+        assert (r["mask_fill_ms_per_step"] > 0) == r["structured"]  # only constrained steps fill masks
+        assert r["mask_fill_ms_per_step"] < r["sample_ms_per_step"]  # the fill is part of `sample`
         assert r["schema"] == schema and r["max_tokens"] == 256 and r["preemptions"] == 0
         assert len(r["all_ms_per_step"]) == 2
         assert r["prefill_steps"] == 1  # the token budget holds the 3 prompts (over 512 tokens) at once
@@ -377,11 +379,30 @@ def test_throughput_json_schema_rows_unconstrained_against_constrained(tiny_fold
         assert constrained.decode_steps == free.decode_steps == max(free.output_lengths) - 1
 
 
+def test_json_schema_on_random_weights_reads_the_folders_tokenizer(tiny_folder, capsys):
+    """``--random-weights`` over a folder with a tokenizer.json: grammars
+    compile over its vocabulary and every constrained row ends valid; a
+    tokenizer with more tokens than the config's vocab_size is refused."""
+    schema = str(tiny_folder.parent / "flag.schema.json")
+    argv = ["bench", "throughput", "--model", str(tiny_folder), "--random-weights", "--device", "cpu",
+            "--json-schema", schema, "--structured-batch-sizes", "2", "--structured-max-tokens", "256",
+            "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [r["structured"] for r in rows] == [False, True]
+    assert rows[1]["grammar_finished"] == rows[1]["json_parsed"] == 2
+    config = json.loads((tiny_folder / "config.json").read_text())
+    (tiny_folder / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "tokens, more than the config's vocab_size (100)" in err, err
+
+
 @pytest.mark.parametrize("write, extra, message", [
     (None, [], "cannot read it (No such file or directory)"),
     ("{not json", [], "is not JSON (Expecting property name"),
     ('{"type": "objectx"}', [], "json is not a JSON schema pagedlm can follow: "),
-    (json.dumps(FLAG_SCHEMA), ["--random-weights"], "--json-schema needs the model's own tokenizer"),
+    (json.dumps(FLAG_SCHEMA), ["--random-weights"], "with --random-weights, a tokenizer.json in the config's folder"),
     (json.dumps(FLAG_SCHEMA), ["--against", "hf"], "not with --against"),
     (json.dumps(FLAG_SCHEMA), ["--structured-batch-sizes", "0"], "--structured-batch-sizes must be >= 1"),
 ])
