@@ -18,7 +18,9 @@ the row, which is fed again from its start. The first pass feeds at most
 ``max_tokens_per_pass`` tokens (the engine's step budget) over all rows, in
 row order: a row whose catch-up does not fit is fed over several steps,
 proposing nothing until it has caught up; a row the draft's pool has no
-room for proposes nothing.
+room for proposes nothing. On CUDA with the kernels (and without
+``--enforce-eager``) the one-token passes replay CUDA graphs of the draft,
+captured as the engine captures the model's (`DecodeGraphs`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pagedlm.cache.store import KVStore
 from pagedlm.options import EngineOptions, UnsupportedOption
 from pagedlm.speculative import Proposing
 
+from .graphs import DecodeGraphs
 from .step import prepare_step
 
 
@@ -57,7 +60,7 @@ class _Row:
 class DraftProposer:
     def __init__(self, draft: torch.nn.Module, num_speculative_tokens: int, target_vocab: int,
                  target_layout: KVLayout, options: EngineOptions, max_model_len: int,
-                 max_tokens_per_pass: int) -> None:
+                 max_tokens_per_pass: int, max_num_seqs: int) -> None:
         vocab = int(draft.args.vocab_size)
         if vocab != target_vocab:
             raise UnsupportedOption(f"--draft-model has a vocabulary of {vocab} tokens and the model {target_vocab}: "
@@ -81,6 +84,10 @@ class DraftProposer:
         pools = make_pools(layout, param.dtype, self.device)
         self.blocks = BlockManager(layout.num_blocks, layout.block_size) if pools is not None else None
         self.store = KVStore(layout, pools, backend)
+        self.graphs = None  # the passes after the first decode one token a row: as the engine's, replayed
+        if backend.in_place and self.device.type == "cuda" and not options.enforce_eager:
+            self.graphs = DecodeGraphs(draft, self.store, max_num_seqs, -(-max_model_len // layout.block_size),
+                                       layout.block_size, self.device)
         self.fed: dict[int, list[int]] = {}  # seq id -> the tokens whose keys the draft's store holds
 
     # -- the proposer -----------------------------------------------------------
@@ -99,9 +106,12 @@ class DraftProposer:
                 break
             step = prepare_step([(row, n[row.seq_id]) for row in todo], self.device, self.blocks)
             with torch.inference_mode():
-                hidden = self.model(step.input_ids, step.positions, self.store, step)
-                best = (self.model.compute_logits(hidden[step.logits_rows]).argmax(-1).tolist()
-                        if step.sampling_rows else [])
+                if self.graphs is not None and self.graphs.can_run(step):
+                    best = self.graphs.run(step).argmax(-1).tolist()
+                else:
+                    hidden = self.model(step.input_ids, step.positions, self.store, step)
+                    best = (self.model.compute_logits(hidden[step.logits_rows]).argmax(-1).tolist()
+                            if step.sampling_rows else [])
             self.store.end_step()
             for row in todo:
                 row.num_computed += n[row.seq_id]

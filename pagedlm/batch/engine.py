@@ -25,7 +25,7 @@ from pagedlm.attention import select_backend
 from pagedlm.attention.sdpa import keep_sdpa_deterministic
 from pagedlm.cache.admission import BlockAdmission, ByteAdmission
 from pagedlm.cache.blocks import BlockManager
-from pagedlm.cache.layout import kv_bytes, make_pools, plan_layout
+from pagedlm.cache.layout import kv_bytes, make_pools, model_share, plan_layout
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore
 from pagedlm.options import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, EngineOptions, OptionError,
@@ -138,9 +138,22 @@ class LLMEngine:
             raise OptionError(f"--max-model-len {self.max_model_len} exceeds the model's context "
                               f"length ({context} tokens)")
         identity = repr((type(model).__qualname__, getattr(model, "args", None)))
-        self.layout = layout = plan_layout(model.kv_spec(), options, self.device, self.dtype,
-                                           in_place=backend.in_place, identity=identity,
-                                           max_model_len=self.max_model_len)
+        sizing = options
+        if options.speculative == "draft":  # loaded before the pools are sized: its weights and keys share the budget
+            if draft is None:
+                from pagedlm.loading import load
+
+                draft = load(options.draft_model, str(self.device), self.dtype)[0]
+            sizing = model_share(options, self.device, self.dtype, model.kv_spec(), draft.kv_spec(),
+                                 in_place=backend.in_place)
+        try:
+            self.layout = layout = plan_layout(model.kv_spec(), sizing, self.device, self.dtype,
+                                               in_place=backend.in_place, identity=identity,
+                                               max_model_len=self.max_model_len)
+        except OptionError as e:
+            if sizing is options:
+                raise
+            raise OptionError(f"{e} (the model's part of the budget: the draft model's keys take the rest)") from None
         # The cache package's objects, from the layout: pools and blocks, or a prompt cache.
         self.blocks, self.prompt_cache = None, None
         pools = make_pools(layout, self.dtype, self.device)
@@ -166,21 +179,17 @@ class LLMEngine:
         self._grammars = None  # GrammarCompiler, at the first constrained request
 
     def _proposer(self, draft: torch.nn.Module | None):
-        """The ``--speculative`` proposer: prompt lookup, or the draft model's
-        (loaded here by name unless given, on the model's device and dtype)."""
+        """The ``--speculative`` proposer: prompt lookup, or the draft model's."""
         options = self.options
         if options.speculative is None:
             return None
         if options.speculative == "ngram":
             return NgramProposer.from_options(options)
-        from pagedlm.loading import load
-
         from .draft import DraftProposer
 
-        if draft is None:
-            draft = load(options.draft_model, str(self.device), self.dtype)[0]
         return DraftProposer(draft, options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS,
-                             self.vocab_size, self.layout, options, self.max_model_len, self.max_num_batched_tokens)
+                             self.vocab_size, self.layout, options, self.max_model_len, self.max_num_batched_tokens,
+                             self.max_num_seqs)
 
     # -- requests -----------------------------------------------------------
 

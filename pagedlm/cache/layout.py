@@ -20,7 +20,8 @@ Sizing: one KV budget (``--kv-budget-bytes``; on CUDA
 weights leave; else the device's default). The paged store spends all of it
 on blocks of ``block_size`` tokens across the pooled layers, and refuses to
 start when that holds less than one sequence of ``max_model_len``; the
-default store reserves it sequence by sequence (``cache.admission``).
+default store reserves it sequence by sequence (``cache.admission``). A
+draft model's keys come out of the same budget (``model_share``).
 
 ``prefix_salt`` keys the block hashes of prefix caching (``cache.blocks``):
 whatever besides the tokens changes a block's keys (the model, the dtype,
@@ -30,7 +31,7 @@ the KV format).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -149,6 +150,21 @@ def _salt(identity: str, dtype: torch.dtype, kv_quant: str) -> bytes:
     """What the keys of a block depend on besides its tokens: the model, the
     KV dtype and its 8-bit format."""
     return hashlib.blake2b(repr((identity, str(dtype), kv_quant)).encode(), digest_size=16).digest()
+
+
+def model_share(options: EngineOptions, device: torch.device | str, dtype: torch.dtype, specs: Sequence[KVSpec],
+                draft_specs: Sequence[KVSpec], *, in_place: bool) -> EngineOptions:
+    """``options`` for the model of an engine whose draft model keeps the
+    keys of as many tokens (``--speculative draft``): the one budget split
+    in proportion to a token's bytes in each, the model's part as an
+    explicit ``kv_budget_bytes`` (the draft sizes its store from the
+    model's layout). Called once the draft's weights are loaded: on CUDA
+    they count as memory held."""
+    total = _budget(options, torch.device(device))
+    mine, theirs = (sum(token_bytes(s, dtype, options.kv_quant, sliding_pooled=in_place))
+                    for s in (specs, draft_specs))
+    return replace(options, kv_budget_bytes=total * mine // (mine + theirs), gpu_memory_fraction=None,
+                   gpu_memory_utilization=None)
 
 
 def _budget(options: EngineOptions, device: torch.device) -> int:

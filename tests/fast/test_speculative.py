@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from pagedlm.batch import engine as engine_module
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.sequence import Sequence
-from pagedlm.options import EngineOptions, UnsupportedOption, resolve_engine_options
+from pagedlm.options import EngineOptions, OptionError, UnsupportedOption, resolve_engine_options
 from pagedlm.params import SamplingParams
 from pagedlm.sampling import sample_row
 from pagedlm.speculative import NgramProposer, verify
@@ -379,6 +380,30 @@ def test_another_draft_keeps_the_tokens_greedy_and_seeded(store):
         engine = LLMEngine(model, CharTokenizer(), options, draft=draft)
         _same(run_all(engine, batch, params), plain)
         assert engine.spec_stats.draft_tokens > engine.spec_stats.accepted_tokens
+
+
+@pytest.mark.parametrize("draft_family", ["llama", "gemma3_text"])
+def test_the_draft_s_keys_come_out_of_the_one_kv_budget(draft_family):
+    """With a draft, ``--kv-budget-bytes`` is split between the two stores in
+    proportion to a token's bytes in each: both pools hold as many blocks,
+    and together they stay within the budget (the model's pools used to
+    take all of it, and the draft as much again: twice the memory asked
+    for, an out-of-memory on a GPU sized by --gpu-memory-utilization). A
+    Gemma draft on the torch path keeps its sliding layers' ring buffers
+    outside its pools."""
+    model = _MODELS["llama"]
+    draft = tiny_model(draft_family, vocab_size=model.args.vocab_size, seed=2)
+    budget = 200 * block_bytes(model, 4)
+    options = paged(4, budget=budget, speculative="draft", draft_model="d", max_model_len=64)
+    engine = LLMEngine(model, CharTokenizer(), options, draft=draft)
+    mine, theirs = engine.store.pools, engine.proposer.store.pools
+    assert mine.num_blocks == theirs.num_blocks == engine.proposer.blocks.num_blocks
+    used = mine.nbytes + theirs.nbytes
+    assert used <= budget
+    if draft_family == "llama":  # every layer pooled: the budget is spent on the two pools
+        assert used > budget * 0.95
+    with pytest.raises(OptionError, match=r"holds \d+ blocks .* the draft model's keys take the rest"):
+        LLMEngine(model, CharTokenizer(), dataclasses.replace(options, max_model_len=512), draft=draft)
 
 
 def test_a_draft_of_another_vocabulary_is_refused_at_startup():

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# H200 calls for issues 21 and 22 (and issue 20's remaining rows), run from a `git archive` of the commit (NOW=.now).
+#   tests   tests/gpu (GPU_TESTS: other pytest arguments)
+#   spec    benchmarks/gpu_spec.py: a verify step of 1 + k queries a row against a plain decode step,
+#           three shapes, batch 1 and 32; a Llama-3.2-1B-shaped draft for the 8B shape, graphs and eager
+#   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
+#           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel
+#   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults)
+#   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
+# Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
+# of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).
+# Usage (repository root, GPU machine): OUT=... STEPS="tests spec" bash benchmarks/gpu_spec_session.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+NOW=${NOW:-.now}; CARRY=$(pwd)/.carry
+M=benchmarks/configs
+has() { [[ " ${STEPS:-tests spec mask} " == *" $1 "* ]]; }
+bench() {  # output file, limit, bench arguments...
+  local file=$1 limit=$2; shift 2
+  (cd "$NOW" && PYTHONPATH=.:${LIB:-} timeout "$limit" python3 -m pagedlm.cli bench "$@" --json 2>>"$OUT/bench.err") \
+    | grep '^{' | tee -a "$OUT/$file"
+}
+if has tests; then
+  (cd "$NOW" && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rf ${GPU_TESTS:-tests/gpu}) > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+fi
+if has spec; then
+  (cd "$NOW" && PYTHONPATH=. timeout "${SPEC_TIMEOUT:-200}" python3 benchmarks/gpu_spec.py) 2>>"$OUT/bench.err" | tee "$OUT/spec.jsonl"
+fi
+if has mask; then
+  LIB=/tmp/pylib; mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB
+  for pair in "qwen3-0.6b smollm2-tok" "gemma3-270m gemma-tok"; do
+    set -- $pair; dir=/tmp/mask-$1; mkdir -p "$dir"
+    cp "$NOW/$M/$1/config.json" "$CARRY/$2"/tokenizer*.json "$dir/"
+    bench mask.jsonl 200 throughput --random-weights --model "$dir" --device cuda \
+      --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3
+  done
+fi
+if has decode; then
+  for cfg in gemma3-270m qwen3-0.6b llama-3.1-8b; do
+    bench decode.jsonl 200 decode --random-weights --model $M/$cfg --device cuda --prompt-len 512 \
+      --gen-len 128 --repeats 3 --against hf
+  done
+fi
+if has hf; then
+  for quant in none fp8; do
+    bench hf.jsonl 300 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
+      --min-len 100 --max-len 1024 --seed 0 --stores paged --attention-backend triton --kv-quant $quant \
+      --against hf --hf-num-prompts "${HF_PROMPTS:-64}"
+  done
+fi
+[ -s "$OUT/bench.err" ] && tail -5 "$OUT/bench.err"
+exit 0
