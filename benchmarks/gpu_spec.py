@@ -21,7 +21,7 @@ per proposed token, a verify step emits ``(1 - a^(k+1)) / (1 - a)`` tokens,
 so the speedup at ``a`` is that over ``step_ratio``.
 
 Usage (repository root, GPU machine): PYTHONPATH=. python3 benchmarks/gpu_spec.py
-(``SHAPES``, ``BATCHES``, ``KS``, ``DEVICE=cpu`` with a tiny config for a smoke run).
+(``SHAPES``, ``BATCHES``, ``KS``, ``PROMPT``, ``SPEC_STEPS``, ``DEVICE=cpu`` with a tiny config for a smoke run).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ SHAPES = os.environ.get("SHAPES", "gemma3-270m qwen3-0.6b llama-3.1-8b").split()
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "1 32").split()]
 KS = [int(k) for k in os.environ.get("KS", "1 3 8").split()]
 DRAFT = dict(pair.split("=") for pair in os.environ.get("DRAFT", "llama-3.1-8b=llama-3.2-1b").split())  # target shape: a draft shape of its vocabulary
-PROMPT, STEPS = int(os.environ.get("PROMPT", "512")), int(os.environ.get("STEPS", "48"))
+PROMPT, STEPS = int(os.environ.get("PROMPT", "512")), int(os.environ.get("SPEC_STEPS", "48"))
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 

@@ -5,6 +5,7 @@
 #           three shapes, batch 1 and 32; a Llama-3.2-1B-shaped draft for the 8B shape, graphs and eager
 #   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
 #           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel
+#   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by llguidance thread count
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults)
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
@@ -36,6 +37,11 @@ if has mask; then
     bench mask.jsonl 200 throughput --random-weights --model "$dir" --device cuda \
       --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3
   done
+fi
+if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask_fill.py)
+  LIB=/tmp/pylib; mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB
+  (cd "$NOW" && PYTHONPATH=.:$LIB THREADS="1 4 8 12 16" timeout 120 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
+    2>>"$OUT/bench.err" | tee "$OUT/mask_fill.jsonl"
 fi
 if has decode; then
   for cfg in gemma3-270m qwen3-0.6b llama-3.1-8b; do

@@ -1,0 +1,65 @@
+"""What filling a step's grammar bitmasks costs on this host, by thread count:
+``B`` rows under one JSON schema, each taking a random token its grammar
+allows after every fill (what random weights do under a constraint: new
+grammar states every step, strings that run on), ``STEPS`` steps.
+
+Reported per thread count of llguidance's executor: ms per step of
+`structured.fill_bitmask` (the engine's call: the executor, then each row's
+liveness check) and of the executor alone on states it has just seen (what
+llguidance caches between two fills of one state).
+
+Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
+(THREADS="1 4 12" and STEPS in the environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import llguidance
+import torch
+
+from pagedlm.structured import Constraint, GrammarCompiler, fill_bitmask
+from pagedlm.structured import matcher as matcher_module
+from pagedlm.tokenizer import Tokenizer
+
+
+def main() -> None:
+    folder, vocab = sys.argv[1], int(sys.argv[2])
+    rows = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    schema = json.load(open(sys.argv[4] if len(sys.argv) > 4 else "benchmarks/configs/person.schema.json"))
+    steps = int(os.environ.get("STEPS", "30"))
+    compiler = GrammarCompiler(Tokenizer.from_folder(folder), vocab)
+    for threads in [int(t) for t in os.environ.get("THREADS", f"1 4 {os.cpu_count()}").split()]:
+        matcher_module._executor = llguidance.LLExecutor(num_threads=threads)
+        matchers = [compiler.matcher(Constraint(json=schema)) for _ in range(rows)]
+        while not all(m.ready() for m in matchers):
+            time.sleep(0.01)
+        rng = random.Random(0)
+        fresh = again = 0.0
+        words = (matchers[0].width + 31) // 32
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            bitmask, live = fill_bitmask(matchers)
+            fresh += time.perf_counter() - t0
+            scratch = torch.zeros_like(bitmask)
+            pairs = [(m._live(), j) for j, m in enumerate(matchers)]
+            t0 = time.perf_counter()
+            matcher_module._executor.unsafe_compute_mask_ptr(pairs, scratch.data_ptr(), words * 4, rows)
+            again += time.perf_counter() - t0
+            allowed = matcher_module._bits(bitmask.view(torch.uint8)).view(rows, -1)[:, :vocab]
+            for j, m in enumerate(matchers):
+                if live[j] and not m.is_finished:
+                    m.advance(rng.choice(allowed[j].nonzero().flatten().tolist()))
+        print(json.dumps({"rows": rows, "threads": threads, "vocab": vocab, "steps": steps,
+                          "fill_ms_per_step": round(1000 * fresh / steps, 3),
+                          "executor_again_ms_per_step": round(1000 * again / steps, 3),
+                          "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
