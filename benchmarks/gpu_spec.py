@@ -37,7 +37,7 @@ import torch
 from pagedlm.batch.draft import DraftProposer
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.bench.common import load_random
-from pagedlm.options import EngineOptions
+from pagedlm.options import resolve_engine_options
 from pagedlm.params import SamplingParams
 
 DEVICE = os.environ.get("DEVICE", "cuda")
@@ -95,6 +95,9 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, proposer=N
     elapsed = time.perf_counter() - t0
     spent = clock.seconds if clock else 0.0
     tokens = sum(len(s.output_ids) for s in seqs) - before
+    if proposer is not None:  # the plain run goes to the end: its outputs are the oracle's
+        for s in seqs:
+            engine.abort(s)
     while engine.has_unfinished():
         engine.step()
     stats = engine.spec_stats.since(stats0)
@@ -129,8 +132,11 @@ def main() -> None:
     for shape in SHAPES:
         model, tokenizer = load_random(folder(shape), DEVICE, DTYPE)
         vocab = int(model.args.vocab_size)
-        options = EngineOptions(max_num_seqs=max(BATCHES), max_model_len=PROMPT + 4 * STEPS + 64)
+        options = resolve_engine_options({"max_num_seqs": max(BATCHES), "max_model_len": PROMPT + 4 * STEPS + 64},
+                                         environ={}, device=DEVICE)  # the device's defaults: paged, kernels, graphs
         engine = LLMEngine(model, tokenizer, options)
+        if DEVICE == "cuda" and engine.graphs is None:
+            raise SystemExit(f"{shape}: no CUDA graphs ({engine.attention_backend}, paged {engine.paged_kv})")
         draft = None
         if shape in DRAFT:
             draft, _ = load_random(folder(DRAFT[shape]), DEVICE, DTYPE)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # H200 calls for issues 21 and 22 (and issue 20's remaining rows), run from a `git archive` of the commit (NOW=.now).
-#   tests   tests/gpu (GPU_TESTS: other pytest arguments)
+#   tests   tests/gpu (GPU_TESTS: other pytest arguments, evaluated: quote a -k expression inside it)
 #   spec    benchmarks/gpu_spec.py: a verify step of 1 + k queries a row against a plain decode step,
 #           three shapes, batch 1 and 32; a Llama-3.2-1B-shaped draft for the 8B shape, graphs and eager
 #   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
@@ -23,7 +23,7 @@ bench() {  # output file, limit, bench arguments...
     | grep '^{' | tee -a "$OUT/$file"
 }
 if has tests; then
-  (cd "$NOW" && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rf ${GPU_TESTS:-tests/gpu}) > "$OUT/gpu_tests.log" 2>&1
+  (cd "$NOW" && eval timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rf "${GPU_TESTS:-tests/gpu}") > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
 fi
 if has spec; then

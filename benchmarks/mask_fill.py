@@ -9,7 +9,7 @@ liveness check) and of the executor alone on states it has just seen (what
 llguidance caches between two fills of one state).
 
 Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
-(THREADS="1 4 12" and STEPS in the environment).
+(THREADS="1 4 12" and FILL_STEPS in the environment).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     folder, vocab = sys.argv[1], int(sys.argv[2])
     rows = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     schema = json.load(open(sys.argv[4] if len(sys.argv) > 4 else "benchmarks/configs/person.schema.json"))
-    steps = int(os.environ.get("STEPS", "30"))
+    steps = int(os.environ.get("FILL_STEPS", "30"))
     compiler = GrammarCompiler(Tokenizer.from_folder(folder), vocab)
     for threads in [int(t) for t in os.environ.get("THREADS", f"1 4 {os.cpu_count()}").split()]:
         matcher_module._executor = llguidance.LLExecutor(num_threads=threads)
