@@ -7,7 +7,9 @@ EOS ignored) one engine runs, in turn:
 
 - ``plain``: no proposer; every step decodes one token a row (CUDA graphs).
 - ``reject k``: every row proposes k random tokens a step (acceptance ~0):
-  each step is a verify step of ``1 + k`` queries a row emitting one token.
+  each step is a verify step of ``1 + k`` queries a row emitting one token,
+  replayed from the graphs an engine with ``--num-speculative-tokens k``
+  captures.
 - ``oracle k``: every row proposes the k tokens the plain run emitted next
   (acceptance near 1 until a near-tie of bf16 makes the paths part).
 - ``draft k`` (``DRAFT`` shapes only): a draft model of the target's
@@ -36,6 +38,7 @@ import torch
 
 from pagedlm.batch.draft import DraftProposer
 from pagedlm.batch.engine import LLMEngine
+from pagedlm.batch.graphs import DecodeGraphs
 from pagedlm.bench.common import load_random
 from pagedlm.options import resolve_engine_options
 from pagedlm.params import SamplingParams
@@ -47,6 +50,7 @@ KS = [int(k) for k in os.environ.get("KS", "1 3 8").split()]
 DRAFT = dict(pair.split("=") for pair in os.environ.get("DRAFT", "llama-3.1-8b=llama-3.2-1b").split())  # target shape: a draft shape of its vocabulary
 PROMPT, STEPS = int(os.environ.get("PROMPT", "512")), int(os.environ.get("SPEC_STEPS", "48"))
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+BUDGET = int(os.environ.get("BUDGET", 8 << 30 if DEVICE == "cuda" else 64 << 20))
 
 
 def folder(shape: str) -> str:
@@ -74,6 +78,16 @@ class Forced:
 
     def release(self, seq_id: int) -> None:
         pass
+
+
+def verify_graphs(engine: LLMEngine, k: int) -> DecodeGraphs | None:
+    """The graphs of verify steps of k proposed tokens a row, as an engine
+    with ``--num-speculative-tokens k`` captures them (None without graphs)."""
+    if engine.graphs is None:
+        return None
+    bs = engine.layout.block_size
+    return DecodeGraphs(engine.model, engine.store, engine.max_num_seqs, -(-engine.max_model_len // bs), bs,
+                        engine.device, queries=1 + k)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, proposer=None) -> dict:
@@ -105,6 +119,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, proposer=N
     return {"steps": steps, "ms_per_step": round(1000 * elapsed / steps, 4),
             "tokens_per_step": round(tokens / steps, 3), "ms_per_token": round(1000 * elapsed / tokens, 4),
             "propose_ms_per_step": round(1000 * spent / steps, 4), "acceptance": round(stats.acceptance_rate, 3),
+            "verify_graphs": engine.verify_graphs is not None,
             "outputs": {tuple(s.prompt_ids[:8]): list(s.output_ids) for s in seqs}}
 
 
@@ -132,7 +147,8 @@ def main() -> None:
     for shape in SHAPES:
         model, tokenizer = load_random(folder(shape), DEVICE, DTYPE)
         vocab = int(model.args.vocab_size)
-        options = resolve_engine_options({"max_num_seqs": max(BATCHES), "max_model_len": PROMPT + 4 * STEPS + 64},
+        options = resolve_engine_options({"max_num_seqs": max(BATCHES), "max_model_len": PROMPT + 4 * STEPS + 64,
+                                          "kv_budget_bytes": BUDGET},  # room left for a draft's pools
                                          environ={}, device=DEVICE)  # the device's defaults: paged, kernels, graphs
         engine = LLMEngine(model, tokenizer, options)
         if DEVICE == "cuda" and engine.graphs is None:
@@ -151,12 +167,14 @@ def main() -> None:
             plain = run(engine, prompts, max_tokens)
             rows = [{"name": "plain", "k": 0, **plain}]
             for k in KS:
+                engine.verify_graphs = verify_graphs(engine, k)
                 rows.append({"name": f"reject {k}", "k": k, **run(engine, prompts, max_tokens, Forced(k, vocab))})
                 rows.append({"name": f"oracle {k}", "k": k,
                              **run(engine, prompts, max_tokens, Forced(k, vocab, plain["outputs"]))})
             if draft is not None:
+                k = max(KS) // 2 or 1
+                engine.verify_graphs = verify_graphs(engine, k)
                 for eager in (False, True):
-                    k = max(KS) // 2 or 1
                     proposer = DraftProposer(draft, k, vocab, engine.layout,
                                              dataclasses.replace(options, enforce_eager=eager), engine.max_model_len,
                                              engine.max_num_batched_tokens, engine.max_num_seqs)
@@ -164,6 +182,7 @@ def main() -> None:
                     rows.append({"name": f"draft {k} {'eager' if eager else 'graphs'}", "k": k,
                                  "draft": DRAFT[shape], "draft_graphs": proposer.graphs is not None, **row})
                     del proposer
+            engine.verify_graphs = None
             for row in rows:
                 row.pop("outputs")
                 row["step_ratio"] = round(row["ms_per_step"] / plain["ms_per_step"], 3)

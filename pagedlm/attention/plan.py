@@ -40,15 +40,22 @@ class StepPlan:
         n_rows = len(step.seq_ids)
         self.decode = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] == 1)
         self.prefill = tuple(r for r in range(n_rows) if bounds[r + 1] - bounds[r] > 1)
-        self.decode_tokens = torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=device)
         self.decode_lens = tuple(step.seq_lens_host[r] for r in self.decode)
         self.max_query_len = max(b - a for a, b in zip(bounds, bounds[1:]))
         self._masks: dict = {}
 
     @functools.cached_property
+    def decode_tokens(self) -> torch.Tensor:
+        """Where the decode rows' queries lie in the step."""
+        bounds = self.step.query_start_host
+        return torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=self.device)
+
+    @functools.cached_property
     def query_start(self) -> torch.Tensor:
         """Where each row's queries start in the step, and the end ``[B + 1]``
         (int32, on the device: the multi-query kernel finds its rows there)."""
+        if self.step.query_start is not None:
+            return self.step.query_start
         return torch.tensor(self.step.query_start_host, dtype=torch.int32, device=self.step.seq_lens.device)
 
     @functools.cached_property

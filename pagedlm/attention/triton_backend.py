@@ -8,11 +8,14 @@ lie:
 
 - a step whose rows all decode (one query each) is ``paged_decode`` alone,
   fixed-shape launches over the step's device tensors with nothing read on
-  the host: those are the steps a CUDA graph may capture (``can_capture``);
+  the host;
 - any other step (prompt chunks, chunks after a cached prefix, verify rows of
   a few queries) is one ``paged_prefill`` launch per layer for every row of
   several queries, plus one ``paged_decode`` for the step's decode rows when
   it has some: a fixed number of launches, whatever the rows.
+
+A CUDA graph may capture a step whose rows all feed as many tokens
+(``can_capture``): decode steps, and verify steps of one proposal length.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class TritonBackend(Planned):
                scale: float) -> torch.Tensor:
         pools, window = store.pools, store.layout.specs[layer].window
         k, v, scales = pools.k[layer], pools.v[layer], pools.scales(layer)
-        if self.can_capture(step):  # every row decodes: the decode kernel alone, no plan
+        if step.num_tokens == len(step.seq_ids):  # every row decodes: the decode kernel alone, no plan
             return paged_attention.paged_decode(q, k, v, step.block_tables, step.seq_lens, scale, window, scales)
         plan = self._plan_for(step, q.device)
         out = paged_attention.paged_prefill(q, k, v, step.block_tables, plan.query_start, step.seq_lens, scale,
@@ -48,4 +51,9 @@ class TritonBackend(Planned):
         return out
 
     def can_capture(self, step: StepBatch) -> bool:
-        return step.num_tokens == len(step.seq_ids)
+        """Rows that all feed as many tokens: decode rows (the decode kernel),
+        or verify rows of one proposal length (the multi-query kernel, whose
+        launch depends on the shapes and that length only)."""
+        bounds = step.query_start_host
+        q = bounds[1] - bounds[0]
+        return all(b - a == q for a, b in zip(bounds, bounds[1:]))

@@ -165,10 +165,14 @@ class LLMEngine:
         self.store = getattr(model, "make_store", KVStore)(layout, pools, backend)
         self.admission = (BlockAdmission(self.blocks, self.store) if self.blocks is not None
                           else ByteAdmission(layout, self.store, self.prompt_cache, self.max_num_batched_tokens))
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if backend.in_place and kind == "cuda" and not options.enforce_eager:
-            self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs,
-                                       -(-self.max_model_len // layout.block_size), layout.block_size, self.device)
+            width = -(-self.max_model_len // layout.block_size)
+            self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs, width, layout.block_size, self.device)
+            if options.speculative is not None:  # verify steps whose rows all check k proposed tokens
+                k = options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+                self.verify_graphs = DecodeGraphs(model, self.store, self.max_num_seqs, width, layout.block_size,
+                                                  self.device, queries=1 + k)
         self.scheduler = Scheduler(self.admission, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.long_prefill_token_threshold, options.max_num_partial_prefills)
         self.paged_kv = pools is not None
@@ -270,8 +274,9 @@ class LLMEngine:
         sampled = [rows[r][0] for r in step.sampling_rows]
         logits = None
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.can_run(step):
-                logits = self.graphs.run(step).float()  # every row decodes: nothing to score
+            replay = next((g for g in (self.graphs, self.verify_graphs) if g is not None and g.can_run(step)), None)
+            if replay is not None:  # every row decodes, or verifies k proposed tokens: nothing to score
+                logits = replay.run(step).float()
             else:
                 hidden = self.model(step.input_ids, step.positions, self.store, step)
                 for r, (seq, n) in enumerate(rows):

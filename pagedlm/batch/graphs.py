@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: ``DecodeGraphs``.
+"""CUDA graphs of the decode step, and of the verify step: ``DecodeGraphs``.
 
 A decode step of a small model is launch-bound: a few hundred kernels of a
 few microseconds each, every one paying the host's Python and the driver's
@@ -7,19 +7,25 @@ every layer's write and in-place attention, the output head) replays with
 one launch.
 
 A graph bakes in its shapes and addresses, so the step it replays reads
-static buffers: token ids, positions, slot mapping, lengths and a block
-table as wide as the longest sequence the engine admits. One graph is
-captured per batch size in ``capture_sizes`` (largest first, sharing one
-memory pool); a step of ``n`` rows copies its inputs into the first ``n``
-rows of the buffers and replays the smallest graph of at least ``n`` rows.
-The rows past ``n`` are padding: slot -1 (``write_kv`` skips it), length 1
-over block 0 (finite: the pools start zeroed), logits thrown away.
+static buffers: token ids, positions, slot mapping, lengths, where each
+row's queries start, and a block table as wide as the longest sequence the
+engine admits. Each row of a graph feeds ``queries`` tokens: 1 for decode
+steps; ``1 + k`` for the verify steps of speculative decoding, where every
+row checks a proposal of k tokens (an engine with ``--speculative`` keeps
+both sets). One graph is captured per batch size in ``capture_sizes``
+(largest first, sharing one memory pool); a step of ``n`` rows copies its
+inputs into the first rows of the buffers and replays the smallest graph of
+at least ``n`` rows. The rows past ``n`` are padding: slots -1 (``write_kv``
+skips them), ``queries`` keys over block 0 (finite: the pools start
+zeroed; their positions are whatever the buffer held), logits thrown away.
 
 Which steps a graph may replay is the attention backend's to say
-(``store.backend.can_capture``: with the kernels, steps whose rows all
-decode; the torch backend builds masks and gathers from host-known lengths
-and offers none); on top of that every row must sample and the batch fit
-the largest graph. Other steps run eagerly.
+(``store.backend.can_capture``: with the kernels, steps whose rows all feed
+as many tokens; the torch backend builds masks and gathers from host-known
+lengths and offers none); on top of that every row must feed ``queries``
+tokens and need the logits of all of them (a decode row's one; a verify
+row's ``1 + k``), and the batch fit the largest graph. Other steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -43,14 +49,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, store: "KVStore", max_num_seqs: int,
-                 table_width: int, block_size: int, device: torch.device) -> None:
-        self.model, self.store = model, store
+                 table_width: int, block_size: int, device: torch.device, queries: int = 1) -> None:
+        self.model, self.store, self.queries = model, store, queries
         self.sizes = capture_sizes(max_num_seqs)
-        n = self.sizes[-1]
+        n, q = self.sizes[-1], queries
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
-        self.input_ids, self.positions, self.block_tables = zeros(n), zeros(n), zeros(n, table_width)
-        self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.input_ids, self.block_tables = zeros(n * q), zeros(n, table_width)
+        self.positions = torch.arange(q, device=device).repeat(n)  # padding rows: positions 0 .. q - 1
+        self.seq_lens = torch.full((n,), q, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=device)
+        self.query_start = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
         self.max_position = table_width * block_size - 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -58,14 +66,14 @@ class DecodeGraphs:
             self.graphs[size] = self._capture(size, pool)
 
     def _step(self, n: int) -> StepBatch:
-        """A decode step over the first ``n`` rows of the buffers."""
-        rows = tuple(range(n))
+        """A step over the first ``n`` rows of the buffers."""
+        rows, q = tuple(range(n)), self.queries
         return StepBatch(
-            input_ids=self.input_ids[:n], positions=self.positions[:n],
+            input_ids=self.input_ids[: n * q], positions=self.positions[: n * q],
             seq_lens=self.seq_lens[:n], logits_rows=None,
-            slot_mapping=self.slot_mapping[:n], block_tables=self.block_tables[:n],
-            seq_ids=rows, query_start_host=tuple(range(n + 1)), seq_lens_host=(),
-            sampling_rows=rows, max_position=self.max_position,
+            slot_mapping=self.slot_mapping[: n * q], block_tables=self.block_tables[:n],
+            seq_ids=rows, query_start_host=tuple(range(0, n * q + 1, q)), seq_lens_host=(),
+            sampling_rows=rows, max_position=self.max_position, query_start=self.query_start[: n + 1],
         )
 
     def _forward(self, step: StepBatch) -> torch.Tensor:
@@ -86,23 +94,24 @@ class DecodeGraphs:
         return graph, logits
 
     def can_run(self, step: StepBatch) -> bool:
-        n = len(step.seq_ids)
-        return (self.store.backend.can_capture(step) and len(step.sampling_rows) == n == len(step.logits_rows)
-                and n <= self.sizes[-1])  # (a verify row needs more than one row of logits)
+        n, q = len(step.seq_ids), self.queries
+        return (step.num_tokens == n * q and self.store.backend.can_capture(step)
+                and len(step.sampling_rows) == n and len(step.logits_rows) == n * q and n <= self.sizes[-1])
 
     def run(self, step: StepBatch) -> torch.Tensor:
-        """Logits ``[n, vocab]`` of a decode step of ``n`` rows (``can_run``)."""
-        n = len(step.seq_ids)
+        """Logits ``[n * queries, vocab]`` of a step of ``n`` rows (``can_run``):
+        every token's, row after row."""
+        n, q = len(step.seq_ids), self.queries
         size = next(b for b in self.sizes if b >= n)
-        self.input_ids[:n].copy_(step.input_ids)
-        self.positions[:n].copy_(step.positions)
+        self.input_ids[: n * q].copy_(step.input_ids)
+        self.positions[: n * q].copy_(step.positions)
         self.seq_lens[:n].copy_(step.seq_lens)
-        self.slot_mapping[:n].copy_(step.slot_mapping)
+        self.slot_mapping[: n * q].copy_(step.slot_mapping)
         self.block_tables[:n, : step.block_tables.shape[1]].copy_(step.block_tables)
-        if size > n:  # padding rows: write nothing, read one finite key
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
+        if size > n:  # padding rows: write nothing, read finite keys
+            self.slot_mapping[n * q : size * q].fill_(-1)
+            self.seq_lens[n:size].fill_(q)
             self.block_tables[n:size, 0].fill_(0)
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:n]
+        return logits[: n * q]

@@ -29,6 +29,10 @@ class StepBatch:
     seq_lens_host: tuple[int, ...]
     sampling_rows: tuple[int, ...]  # rows (indices into seq_ids) that sample a token
     max_position: int
+    # [B + 1] int32 on the device: where each row's queries start, when the step's
+    # builder holds it there already (a CUDA graph's static buffer; else the
+    # attention backend copies query_start_host over).
+    query_start: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

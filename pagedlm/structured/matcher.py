@@ -137,9 +137,11 @@ _executor: llguidance.LLExecutor | None = None
 
 def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
-    the rows computed in parallel by llguidance's thread pool: 0.35 ms for 64
-    rows on the H200 host's 16 cores, 1.3 ms one after another), and per row
-    whether any token is allowed (False: dead, its row all zeros)."""
+    by llguidance's executor on one thread), and per row whether any token
+    is allowed (False: dead, its row all zeros). One thread: on the H200
+    host's 16 cores, 64 rows in new states of a JSON schema (random weights)
+    filled in 4.7 ms on one thread, 7.2 on 4, 7.7 on 12 (the default, 80% of
+    the cores), 10.4 on 16 (`benchmarks/mask_fill.py`, RESULTS.md)."""
     global _executor
     width = matchers[0].width
     if any(m.width != width for m in matchers):
@@ -149,7 +151,7 @@ def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     rows = [(live, j) for j, m in enumerate(matchers) if (live := m._live()) is not None]
     if rows:
         if _executor is None:
-            _executor = llguidance.LLExecutor()
+            _executor = llguidance.LLExecutor(num_threads=1)
         _executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(matchers))
     filled = {j for _, j in rows}
     return bitmask, [j in filled and m._filled(bitmask[j]) for j, m in enumerate(matchers)]

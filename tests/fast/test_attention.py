@@ -61,8 +61,9 @@ def step_of(queries: list[int]) -> StepBatch:
     )
 
 
-@pytest.mark.parametrize("queries,triton_captures", [([1], True), ([1, 1, 1], True), ([1, 3], False), ([4], False)])
-def test_only_the_kernels_steps_of_one_query_rows_may_be_captured(queries, triton_captures):
+@pytest.mark.parametrize("queries,triton_captures", [([1], True), ([1, 1, 1], True), ([1, 3], False), ([4], True),
+                                                     ([5, 5, 5], True), ([5, 5, 4], False)])
+def test_only_the_kernels_steps_of_rows_of_one_length_may_be_captured(queries, triton_captures):
     step = step_of(queries)
     assert select_backend("triton", "cuda", paged=True).can_capture(step) == triton_captures
     assert not select_backend("torch", "cuda", paged=True).can_capture(step)

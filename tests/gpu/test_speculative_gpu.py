@@ -1,5 +1,6 @@
 """Speculative decoding on CUDA with the kernels: verify rows through the
-multi-query paged kernel, a draft's one-token passes replayed as CUDA graphs.
+multi-query paged kernel (replayed as CUDA graphs when every row checks k
+tokens), a draft's one-token passes replayed as CUDA graphs.
 
 Skipped without CUDA; run on the GPU machine. float32, random weights of the
 Qwen3-0.6B shape: the greedy tokens with speculation are the tokens without
@@ -35,11 +36,10 @@ def _run(model, tokenizer, draft=None, repeat=1, **kw):
     options = EngineOptions(paged_kv=PagedKvOptions(16), kv_budget_bytes=2 << 30, max_model_len=2048,
                             attention_backend="triton", max_num_seqs=8, **kw)
     engine = LLMEngine(model, tokenizer, options, draft=draft)
-    replays = []
-    graphs = getattr(engine.proposer, "graphs", None)
-    if graphs is not None:
-        run = graphs.run
-        graphs.run = lambda step: replays.append(len(step.seq_ids)) or run(step)
+    replays = {"draft": [], "verify": []}  # rows of each replayed step
+    for name, graphs in (("draft", getattr(engine.proposer, "graphs", None)), ("verify", engine.verify_graphs)):
+        if graphs is not None:
+            graphs.run = lambda step, run=graphs.run, seen=replays[name]: seen.append(len(step.seq_ids)) or run(step)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, tokenizer.vocab_size, (n,), generator=g).tolist() * repeat for n in (600, 200, 33, 1)]
     seqs = [engine.add_request(p, SamplingParams(max_tokens=GEN, ignore_eos=True))[0] for p in prompts]
@@ -54,7 +54,8 @@ def test_a_draft_equal_to_the_model_under_graphs_keeps_the_greedy_tokens(loaded)
     assert plain_engine.graphs is not None and len(set(plain[0])) > 1
     engine, got, replays = _run(model, tokenizer, draft=model, speculative="draft", num_speculative_tokens=4,
                                 draft_model="itself")
-    assert engine.proposer.graphs is not None and replays  # the draft's one-token passes replayed
+    assert engine.proposer.graphs is not None and replays["draft"]  # the draft's one-token passes replayed
+    assert replays["verify"]  # and the verify steps of 4 proposed tokens a row
     assert got == plain
     stats = engine.spec_stats
     assert stats.draft_tokens > 0 and stats.accepted_tokens >= 0.95 * stats.draft_tokens, stats
