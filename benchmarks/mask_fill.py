@@ -21,7 +21,7 @@ import sys
 import time
 
 import llguidance
-import torch
+import numpy as np
 
 from pagedlm.structured import Constraint, GrammarCompiler, fill_bitmask
 from pagedlm.structured import matcher as matcher_module
@@ -46,15 +46,15 @@ def main() -> None:
             t0 = time.perf_counter()
             bitmask, live = fill_bitmask(matchers)
             fresh += time.perf_counter() - t0
-            scratch = torch.zeros_like(bitmask)
+            scratch = np.zeros(bitmask.shape, dtype=np.int32)
             pairs = [(m._live(), j) for j, m in enumerate(matchers)]
             t0 = time.perf_counter()
-            matcher_module._executor.unsafe_compute_mask_ptr(pairs, scratch.data_ptr(), words * 4, rows)
+            matcher_module._executor.unsafe_compute_mask_ptr(pairs, scratch.ctypes.data, words * 4, rows)
             again += time.perf_counter() - t0
-            allowed = matcher_module._bits(bitmask.view(torch.uint8)).view(rows, -1)[:, :vocab]
-            for j, m in enumerate(matchers):
+            allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+            for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
                 if live[j] and not m.is_finished:
-                    m.advance(rng.choice(allowed[j].nonzero().flatten().tolist()))
+                    m.advance(rng.choice(np.flatnonzero(allowed[j]).tolist()))
         print(json.dumps({"rows": rows, "threads": threads, "vocab": vocab, "steps": steps,
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "executor_again_ms_per_step": round(1000 * again / steps, 3),

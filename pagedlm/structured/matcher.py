@@ -17,6 +17,7 @@ import logging
 from concurrent.futures import Future
 
 import llguidance
+import numpy as np
 import torch
 
 from .constraint import one_line
@@ -66,13 +67,14 @@ class RowMatcher:
             raise ValueError(f"a bitmask row must be a contiguous CPU int32 tensor of {words} words "
                              f"(got {bitmask_row.dtype}, {bitmask_row.device}, {tuple(bitmask_row.shape)})")
         matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), words * 4)
-        return self._filled(bitmask_row)
+        return self._filled(bool(bitmask_row.any()))
 
-    def _filled(self, bitmask_row: torch.Tensor) -> bool:
-        """After llguidance wrote the row: is anything allowed (else dead)?"""
+    def _filled(self, allows_any: bool) -> bool:
+        """After llguidance wrote the row (``allows_any``: a bit of it is set):
+        is anything allowed (else dead)?"""
         if self._live() is None:  # the mask's computation hit an error (a parser limit)
             return False
-        if not bool(bitmask_row.any()):
+        if not allows_any:
             self.fail("the grammar allows no token here")
             return False
         return True
@@ -138,23 +140,30 @@ _executor: llguidance.LLExecutor | None = None
 def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
     by llguidance's executor on one thread), and per row whether any token
-    is allowed (False: dead, its row all zeros). One thread: on the H200
-    host's 16 cores, 64 rows in new states of a JSON schema (random weights)
-    filled in 4.7 ms on one thread, 7.2 on 4, 7.7 on 12 (the default, 80% of
-    the cores), 10.4 on 16 (`benchmarks/mask_fill.py`, RESULTS.md)."""
+    is allowed (False: dead, its row all zeros).
+
+    Host work in numpy, not torch: a torch op on the CPU this size wakes
+    torch's intra-op threads, which spin for a while beside llguidance's (a
+    `benchmarks/mask_fill.py` whose own bookkeeping ran in torch filled 16
+    rows in 2.4 ms on this 2-core machine, 1.2 ms with one torch thread). One thread: on
+    the H200 host's 16 cores, 64 rows in new states of a JSON schema (random
+    weights) filled in 4.7 ms on one thread, 7.2 on 4, 7.7 on 12 (the
+    default, 80% of the cores), 10.4 on 16 (`benchmarks/mask_fill.py`,
+    RESULTS.md; measured before the fill left torch)."""
     global _executor
     width = matchers[0].width
     if any(m.width != width for m in matchers):
         raise ValueError(f"one step's matchers must share a width (got {sorted({m.width for m in matchers})})")
     words = (width + 31) // 32
-    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+    bitmask = np.zeros((len(matchers), words), dtype=np.int32)
     rows = [(live, j) for j, m in enumerate(matchers) if (live := m._live()) is not None]
     if rows:
         if _executor is None:
             _executor = llguidance.LLExecutor(num_threads=1)
-        _executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(matchers))
+        _executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, len(matchers))
     filled = {j for _, j in rows}
-    return bitmask, [j in filled and m._filled(bitmask[j]) for j, m in enumerate(matchers)]
+    allows = bitmask.any(axis=1)
+    return torch.from_numpy(bitmask), [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
 
 
 def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher],
