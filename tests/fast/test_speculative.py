@@ -341,6 +341,42 @@ def test_the_counters_reach_llm_stats_and_metrics():
     assert b"spec_decode" not in plain.render()
 
 
+class _NeverReplays:
+    """Stands in for an engine's verify graphs on the CPU (their presence
+    turns padding on; they replay nothing)."""
+
+    def can_run(self, step) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("store", ["default", "paged"])
+def test_proposals_padded_to_k_for_verify_graphs_keep_the_tokens(store):
+    """With verify graphs, every asking row's proposal is padded to its k
+    once any row proposes (prompt lookup proposes unevenly, some rows
+    nothing): the same greedy and seeded-sampled tokens as without
+    speculation, every verify row k long unless max_tokens leaves less room."""
+    batch = [p * 2 for p in prompts(4, seed=5, lo=3, hi=12)] + prompts(2, seed=6, lo=5, hi=9)
+    for params in [SamplingParams(max_tokens=18, ignore_eos=True),
+                   SamplingParams(max_tokens=18, temperature=0.8, seed=11, ignore_eos=True)]:
+        _, plain = _run("llama", _options(store, 4), batch, params)
+        engine = LLMEngine(_MODELS["llama"], CharTokenizer(),
+                           _options(store, 4, speculative="ngram", num_speculative_tokens=3))
+        engine.verify_graphs = _NeverReplays()
+        lengths = []
+        propose = engine._propose
+
+        def recorded():
+            propose()
+            lengths.append([(len(s.draft), min(3, s.params.max_tokens - len(s.output_ids) - 1))
+                            for s in engine.scheduler.running if s.draft or s.num_tokens - s.num_computed == 1])
+        engine._propose = recorded
+        _same(run_all(engine, batch, params), plain)
+        padded = [step for step in lengths if any(d for d, _ in step)]
+        assert padded and all(d == room for step in padded for d, room in step)
+        stats = engine.spec_stats
+        assert stats.drafts > 0 and stats.emitted_tokens == stats.drafts + stats.accepted_tokens
+
+
 # -- the draft proposer -----------------------------------------------------------------
 
 
