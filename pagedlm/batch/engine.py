@@ -181,6 +181,9 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self._steps = 0
         self._grammars = None  # GrammarCompiler, at the first constrained request
+        # Grammar rows' next masks filled on a background thread as each step ends, overlapping the
+        # host's next step and the device's forward pass (on the CPU the forward takes every core).
+        self.prefetch_masks = kind == "cuda"
 
     def _proposer(self, draft: torch.nn.Module | None):
         """The ``--speculative`` proposer: prompt lookup, or the draft model's."""
@@ -322,7 +325,16 @@ class LLMEngine:
                 self.scheduler.finish(out.seq, out.finish_reason)
                 if self.proposer is not None:
                     self.proposer.release(out.seq.seq_id)
+        if self._grammars is not None and self.prefetch_masks:
+            self._prefetch_masks()
         return outputs
+
+    def _prefetch_masks(self) -> None:
+        """Start the next masks of the running grammar rows that decode next."""
+        from pagedlm.structured.matcher import prefetch_bitmasks
+
+        prefetch_bitmasks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
+                           and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1])
 
     def _pick(self, logits: torch.Tensor | None, sampled: list[Sequence]) -> tuple[list, list[int]]:
         """The tokens each sampled row emits (None: its grammar allows none)

@@ -23,8 +23,10 @@ those steps; ``mean_batch`` the tokens they sampled over the steps (below B
 once constrained rows finish early); ``sample_ms_per_step`` the part spent in
 `pagedlm.sampling.sample`, where the masks are filled and applied (on CUDA,
 waiting for the step's logits too: nothing synchronizes for the clock), and
-``mask_fill_ms_per_step`` the host's time filling the bitmasks (on CUDA it
-overlaps the device's step, the fill coming before that wait). The
+``mask_fill_ms_per_step`` the time the step spends in `fill_bitmask`: filling
+the bitmasks, or waiting for what is left of the fill the engine started on
+a background thread as the previous step ended (on CUDA), which overlaps
+the host's step and the device's. The
 constrained row gains ``mask_overhead``: its ms per step over the
 unconstrained row's, minus 1, run by run (each pair back to back), the
 median of ``all_mask_overhead``; and ``sample_overhead_share``: the extra

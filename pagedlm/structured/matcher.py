@@ -14,7 +14,7 @@ warning in the log; the engine ends it. It never waits.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -36,6 +36,8 @@ class RowMatcher:
         self.width = width
         self.label = label  # names the row in the log (a request id)
         self.error: str | None = None  # why the row is dead
+        self.version = 0  # tokens advanced less tokens rolled back: names the state a mask is for
+        self._prefetched: tuple[int, Future, int] | None = None  # (version, the fill's future, its row)
 
     def ready(self) -> bool:
         """Its grammar is compiled (or failed to compile: then it is dead at
@@ -58,6 +60,7 @@ class RowMatcher:
     def fill(self, bitmask_row: torch.Tensor) -> bool:
         """Write the tokens the grammar allows next into ``bitmask_row`` (CPU
         int32, ``ceil(width / 32)`` words); False (and dead) when it allows none."""
+        self._settle()
         matcher = self._live()
         if matcher is None:
             return False
@@ -82,28 +85,40 @@ class RowMatcher:
     def advance(self, token: int) -> None:
         """The row's sampled ``token`` is part of the output; a token the
         grammar refuses kills the row."""
+        self._settle()
         matcher = self._live()
         if matcher is None:
             raise RuntimeError(f"advance on a dead row ({self.error})")
+        self.version += 1
         if not matcher.consume_token(token):
             self.fail(f"token {token} is outside the grammar: {one_line(matcher.get_error())}")
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` advanced tokens (a rejected speculation)."""
+        self._settle()
         matcher = self._live()
         if matcher is None or not matcher.rollback(n):
             raise ValueError(f"cannot roll back {n} tokens ({self.error or one_line(matcher.get_error())})")
+        self.version -= n
 
     @property
     def is_finished(self) -> bool:
         """The output is complete: the grammar takes nothing more (the row ends, "stop")."""
+        self._settle()
         return self.error is None and self._matcher is not None and self._matcher.is_stopped() \
             and not self._matcher.is_error()
 
     @property
     def is_dead(self) -> bool:
         """No token can continue the output: the row must end (`error` says why)."""
+        self._settle()
         return self._live() is None if self._compiled.done() else False
+
+    def _settle(self) -> None:
+        """Wait for a background fill of this row's mask (`prefetch_bitmasks`)
+        to finish: llguidance's matcher is not to be used by two threads."""
+        if self._prefetched is not None:
+            self._prefetched[1].result()
 
     def fail(self, reason: str) -> None:
         """Kill the row (the sampler: the request's other rules leave nothing the grammar allows)."""
@@ -135,12 +150,53 @@ def mask_bias(bitmask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 _executor: llguidance.LLExecutor | None = None
+_background = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
+_pending: Future | None = None  # the background fill in flight (one at a time)
+
+
+def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows: list[int]) -> set[int]:
+    """llguidance's masks of the live ones of ``matchers[rows]`` into those
+    rows of ``bitmask``; which rows were live."""
+    global _executor
+    live = [(m, j) for j in rows if (m := matchers[j]._live()) is not None]
+    if live:
+        if _executor is None:
+            _executor = llguidance.LLExecutor(num_threads=1)
+        words = bitmask.shape[1]
+        _executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, len(matchers))
+    return {j for _, j in live}
+
+
+def _zeros(matchers: list[RowMatcher]) -> np.ndarray:
+    width = matchers[0].width
+    if any(m.width != width for m in matchers):
+        raise ValueError(f"one step's matchers must share a width (got {sorted({m.width for m in matchers})})")
+    return np.zeros((len(matchers), (width + 31) // 32), dtype=np.int32)
+
+
+def prefetch_bitmasks(matchers: list[RowMatcher]) -> None:
+    """Start filling ``matchers``' next bitmasks on a background thread
+    (llguidance drops the GIL while it computes): the engine calls it once a
+    step's tokens have advanced them, so that the fill overlaps the host's
+    next step and the device's forward pass. `fill_bitmask` takes a row
+    from it while its matcher has not moved since; a matcher's own calls
+    (advance, rollback, is_finished, is_dead, fill) wait for the fill first."""
+    global _pending
+    if not matchers:
+        return
+    if _pending is not None:
+        _pending.result()
+    bitmask = _zeros(matchers)
+    _pending = future = _background.submit(lambda: (bitmask, _fill_rows(bitmask, matchers, range(len(matchers)))))
+    for j, m in enumerate(matchers):
+        m._prefetched = (m.version, future, j)
 
 
 def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
-    by llguidance's executor on one thread), and per row whether any token
-    is allowed (False: dead, its row all zeros).
+    by llguidance's executor on one thread; a row `prefetch_bitmasks` filled
+    for the matcher's state is taken from there), and per row whether any
+    token is allowed (False: dead, its row all zeros).
 
     Host work in numpy, not torch: a torch op on the CPU this size wakes
     torch's intra-op threads, which spin for a while beside llguidance's (a
@@ -150,18 +206,22 @@ def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     weights) filled in 4.7 ms on one thread, 7.2 on 4, 7.7 on 12 (the
     default, 80% of the cores), 10.4 on 16 (`benchmarks/mask_fill.py`,
     RESULTS.md; measured before the fill left torch)."""
-    global _executor
-    width = matchers[0].width
-    if any(m.width != width for m in matchers):
-        raise ValueError(f"one step's matchers must share a width (got {sorted({m.width for m in matchers})})")
-    words = (width + 31) // 32
-    bitmask = np.zeros((len(matchers), words), dtype=np.int32)
-    rows = [(live, j) for j, m in enumerate(matchers) if (live := m._live()) is not None]
-    if rows:
-        if _executor is None:
-            _executor = llguidance.LLExecutor(num_threads=1)
-        _executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, len(matchers))
-    filled = {j for _, j in rows}
+    global _pending
+    bitmask = _zeros(matchers)
+    if _pending is not None:  # one fill at a time on the executor
+        _pending.result()
+        _pending = None
+    filled, todo = set(), []
+    for j, m in enumerate(matchers):
+        ahead, m._prefetched = m._prefetched, None
+        if ahead is not None and ahead[0] == m.version:
+            rows, live = ahead[1].result()
+            bitmask[j] = rows[ahead[2]]
+            if ahead[2] in live:
+                filled.add(j)
+        else:
+            todo.append(j)
+    filled |= _fill_rows(bitmask, matchers, todo)
     allows = bitmask.any(axis=1)
     return torch.from_numpy(bitmask), [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
 

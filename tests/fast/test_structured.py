@@ -391,6 +391,29 @@ def test_masks_expand_the_same_on_every_device(setup, device):
     assert torch.equal(masked.cpu(), torch.where(want, logits.cpu(), float("-inf")))
 
 
+def test_a_mask_filled_ahead_is_taken_only_for_the_state_it_was_filled_for(setup):
+    """`prefetch_bitmasks` then `fill_bitmask`: rows that have not moved take
+    the background fill (the same bits as filling now); a row advanced since
+    is filled again for its new state."""
+    from pagedlm.structured.matcher import fill_bitmask, prefetch_bitmasks
+
+    tokenizer, compiler = setup
+    seqs = [row(tokenizer, compiler, Constraint(json=s), False, seed=i) for i, s in enumerate(SCHEMAS[40:43])]
+    for s in seqs:
+        wait_ready(s)
+    matchers = [s.matcher for s in seqs]
+    fresh, _ = fill_bitmask(matchers)
+    prefetch_bitmasks(matchers)
+    first = fresh[2].numpy().view("uint8")
+    token = next(t for t in range(compiler.vocab_size) if (first[t // 8] >> (t % 8)) & 1 and t > 0)
+    matchers[2].advance(token)  # moved after the prefetch: its row must be filled again
+    got, live = fill_bitmask(matchers)
+    assert live == [True] * 3 and all(m._prefetched is None for m in matchers)
+    assert torch.equal(got[:2], fresh[:2])
+    again, _ = fill_bitmask(matchers)
+    assert torch.equal(got[2], again[2]) and not torch.equal(got[2], fresh[2])
+
+
 def wait_ready(seq: Sequence) -> None:
     wait_ready_matcher(seq.matcher)
 

@@ -60,6 +60,43 @@ def test_json_regex_and_choice_outputs_hold_their_constraint(model, tokenizer, s
                 assert seq.text in kind["choice"]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_masks_filled_ahead_on_a_background_thread_give_the_same_tokens(model, tokenizer, monkeypatch, temperature):
+    """``prefetch_masks`` (on by default on CUDA): each step's end starts the
+    grammar rows' next masks on a background thread, the sampler takes them
+    while the row has not moved; the same tokens as filling them in the
+    step, rows arriving at different steps, most masks taken from ahead."""
+    import pagedlm.structured as structured
+
+    prompt = tokenizer.encode("Reply: ")
+    kinds = [dict(json=SCHEMA), dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"), dict(json_object=True)]
+    fill = structured.fill_bitmask
+
+    def outputs(prefetch: bool):
+        engine = LLMEngine(model, tokenizer, STORES["paged"])
+        engine.prefetch_masks = prefetch
+        seqs = [engine.add_request(prompt, constrained(kinds[0], temperature=temperature, seed=1, n=2))]
+        taken = []
+
+        def counting(matchers):
+            taken.extend(m._prefetched is not None and m._prefetched[0] == m.version for m in matchers)
+            return fill(matchers)
+        monkeypatch.setattr(structured, "fill_bitmask", counting)  # the name `sample` imports
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps in (2, 5):  # late arrivals: their first masks are filled in the step
+                seqs.append(engine.add_request(prompt, constrained(kinds[steps // 3], temperature=temperature,
+                                                                   seed=steps)))
+        return [[(s.output_ids, s.finish_reason) for s in group] for group in seqs], taken
+
+    plain, none_ahead = outputs(False)
+    ahead, taken = outputs(True)
+    assert ahead == plain and not any(none_ahead)
+    assert sum(taken) > len(taken) / 2 and not all(taken)
+
+
 def test_a_constrained_row_leaves_its_neighbours_alone(model, tokenizer):
     plain = [(tokenizer.encode(p), SamplingParams(max_tokens=16, temperature=t, seed=3, ignore_eos=True))
              for p, t in (("abc", 0.0), ("hello there", 1.0))]
