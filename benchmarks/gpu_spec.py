@@ -10,6 +10,9 @@ EOS ignored) one engine runs, in turn:
   each step is a verify step of ``1 + k`` queries a row emitting one token,
   replayed from the graphs an engine with ``--num-speculative-tokens k``
   captures.
+- ``ragged k``: every row proposes 0 to k random tokens (prompt lookup's
+  uneven proposals): with verify graphs the engine pads them to k, so the
+  steps replay.
 - ``oracle k``: every row proposes the k tokens the plain run emitted next
   (acceptance near 1 until a near-tie of bf16 makes the paths part).
 - ``draft k`` (``DRAFT`` shapes only): a draft model of the target's
@@ -61,18 +64,19 @@ def folder(shape: str) -> str:
 
 
 class Forced:
-    """A proposer of fixed guesses: k random tokens, or the plain run's next k."""
+    """A proposer of fixed guesses: k random tokens (``ragged``: 0 to k of
+    them, as prompt lookup proposes), or the plain run's next k."""
 
-    def __init__(self, k: int, vocab: int, futures: dict[int, list[int]] | None = None) -> None:
-        self.num_speculative_tokens, self.vocab, self.futures = k, vocab, futures
+    def __init__(self, k: int, vocab: int, futures: dict[int, list[int]] | None = None, ragged: bool = False) -> None:
+        self.num_speculative_tokens, self.vocab, self.futures, self.ragged = k, vocab, futures, ragged
         self.rng = random.Random(0)
-        self.first: dict[int, int] = {}  # seq id -> its prompt length (the futures start there)
 
     def propose(self, rows):
         out = []
         for seq, k in rows:
             if self.futures is None:
-                out.append([self.rng.randrange(self.vocab) for _ in range(k)])
+                n = self.rng.randint(0, k) if self.ragged else k
+                out.append([self.rng.randrange(self.vocab) for _ in range(n)])
             else:
                 future = self.futures[tuple(seq.prompt_ids[:8])]
                 at = len(seq.output_ids)
@@ -180,6 +184,8 @@ def main() -> None:
                 rows.append({"name": f"reject {k}", "k": k, **run(engine, prompts, max_tokens, Forced(k, vocab))})
                 rows.append({"name": f"oracle {k}", "k": k,
                              **run(engine, prompts, max_tokens, Forced(k, vocab, plain["outputs"]))})
+                rows.append({"name": f"ragged {k}", "k": k,
+                             **run(engine, prompts, max_tokens, Forced(k, vocab, ragged=True))})
             if draft is not None:
                 k = max(KS) // 2 or 1
                 engine.verify_graphs = verify_graphs(engine, k)
