@@ -95,6 +95,11 @@ class CacheStats:
     prefix_hit_tokens: int
 
 
+# Verify steps of up to this many rows replay graphs (larger ones run eagerly): the graphs hold
+# every token's logits, 256 rows of 1 + 8 tokens over Gemma 3's 262,144 would be 1.2 GB of bf16.
+MAX_VERIFY_GRAPH_ROWS = 64
+
+
 def model_context_length(model: torch.nn.Module) -> int:
     return int(getattr(model.args, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN)
 
@@ -171,8 +176,8 @@ class LLMEngine:
             self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs, width, layout.block_size, self.device)
             if options.speculative is not None:  # verify steps whose rows all check k proposed tokens
                 k = options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
-                self.verify_graphs = DecodeGraphs(model, self.store, self.max_num_seqs, width, layout.block_size,
-                                                  self.device, queries=1 + k)
+                self.verify_graphs = DecodeGraphs(model, self.store, min(self.max_num_seqs, MAX_VERIFY_GRAPH_ROWS),
+                                                  width, layout.block_size, self.device, queries=1 + k)
         self.scheduler = Scheduler(self.admission, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.long_prefill_token_threshold, options.max_num_partial_prefills)
         self.paged_kv = pools is not None
