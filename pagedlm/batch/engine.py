@@ -124,6 +124,7 @@ class LLMEngine:
                         "gpu_memory_utilization": options.gpu_memory_utilization,
                         "kv_budget_bytes": options.kv_budget_bytes,
                         "attention_backend": options.attention_backend, "kv_quant": options.kv_quant,
+                        "compile": options.compile, "enforce_eager": options.enforce_eager,
                         "paged_kv": options.paged_kv is not None, "speculative": options.speculative,
                         "num_speculative_tokens": options.num_speculative_tokens, "ngram_min": options.ngram_min,
                         "ngram_max": options.ngram_max,
@@ -178,6 +179,10 @@ class LLMEngine:
                 k = options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
                 self.verify_graphs = DecodeGraphs(model, self.store, min(self.max_num_seqs, MAX_VERIFY_GRAPH_ROWS),
                                                   width, layout.block_size, self.device, queries=1 + k)
+        elif options.compile:  # the CPU's counterpart: decode steps as compiled graphs (same can_run / run)
+            from .compiled import CompiledDecode
+
+            self.graphs = CompiledDecode(model, self.store, self.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.admission, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.long_prefill_token_threshold, options.max_num_partial_prefills)
         self.paged_kv = pools is not None

@@ -8,7 +8,9 @@ Hugging Face transformers' ``generate`` with ``--against hf``;
 llama-cpp-python on the same GGUF file with ``--against llama.cpp``; with
 ``--speculative ngram`` each store again with speculative decoding (rows
 ``default-ngram``, ``paged-ngram``, ...), on the same prompts, beside its
-plain row.
+plain row; with ``--compile`` the default store's rows (``default`` and the
+quantized one) again with the compiled CPU decode step (``default-compiled``,
+``int4-compiled``, ...), beside their eager rows.
 
 Prompts: ``--workload filler`` (the default) repeats one paragraph;
 ``--workload grounded`` asks the model to copy a passage it is given
@@ -235,7 +237,9 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     model, tokenizer, device, dtype, spec = load_for_bench(args, quantization="none")
     speculation = {name: getattr(engine_options, name) for name in SPECULATION}
     method = speculation["speculative"]
-    engine_options = dataclasses.replace(engine_options, **dict.fromkeys(SPECULATION))  # the plain rows
+    compiled = engine_options.compile
+    engine_options = dataclasses.replace(engine_options, **dict.fromkeys(SPECULATION),  # the plain rows: eager
+                                         compile=False)
     kv_quant = engine_options.kv_quant
     unquantized = dataclasses.replace(engine_options, kv_quant="none")
     store_options = {"default": default_store(engine_options), **paged_configs(unquantized, device)}
@@ -249,6 +253,10 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
     if quantization != "none":
         models[quantization] = load_for_bench(args, quantization=quantization)[0]
         configs[quantization] = fastest_config(unquantized, device)
+    if compiled:  # the default store's rows again, compiled, beside their eager rows
+        for name in ["default"] + [quantization] * (quantization != "none"):
+            configs[f"{name}-compiled"] = dataclasses.replace(configs[name], compile=True)
+            models[f"{name}-compiled"] = models[name]
     alive = len(configs) + (args.against == "hf")  # every runner lives through the rounds
     configs = {name: shared_budget(options, device, alive) for name, options in configs.items()}  # before any pool
     runners: dict[str, Callable] = {name: _ours(models[name], tokenizer, options, args.gen_len)
@@ -309,6 +317,7 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
             continue
         method = speculation["speculative"]
         plain = name.removesuffix(f"-{method}") if method and name.endswith(f"-{method}") else None
+        eager = name.removesuffix("-compiled")
         paged_row = name.startswith("paged") or (name in opt.QUANTIZATIONS and paged is not None)
         row = {"name": f"pagedlm-{name}", **base,
                "prefill_tok_s": round(med[name][0], 2), "decode_tok_s": round(med[name][1], 2),
@@ -317,7 +326,7 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
                "block_size": paged.block_size if paged_row else None,
                "prefix_caching": paged.prefix_caching if paged_row else None,
                "kv_quant": name.removeprefix("paged-") if name in KV_QUANT_ROWS else "none",
-               "quantization": name if name in opt.QUANTIZATIONS else "none"}
+               "quantization": eager if eager in opt.QUANTIZATIONS else "none", "compiled": eager != name}
         if plain is not None:  # a speculating row: what it proposed and kept, and its speedup on the same prompt
             stats, proposer = timings[name].spec, timings[name].proposer
             row.update(speculative=method, num_speculative_tokens=proposer.num_speculative_tokens,
@@ -330,6 +339,9 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
             row.update(bytes_per_step=roofline["bytes_per_step"][name],
                        roofline_ms_per_token=round(roofline["roofline_ms"][name], 4),
                        roofline_fraction=round(roofline["roofline_ms"][name] * med[name][1] / 1e3, 3))
+        if eager != name:  # a compiled row against its eager row, same run
+            row["decode_ratio_vs_eager"] = round(med[name][1] / med[eager][1], 3)
+            row["prefill_ratio_vs_eager"] = round(med[name][0] / med[eager][0], 3)
         if name != "default":
             row["decode_ratio_vs_default"] = round(med[name][1] / med["default"][1], 3)
             row["prefill_ratio_vs_default"] = round(med[name][0] / med["default"][0], 3)
@@ -347,8 +359,9 @@ def _report(args, spec, device, dtype, n, paged, timings: dict[str, Timing], roo
             print(json.dumps(row), flush=True)
         else:
             extra = "".join(
-                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "decode_ratio_vs_plain", "acceptance_rate",
-                                            "mean_accepted_length", "roofline_fraction", f"{tag}_decode_tok_s",
+                f"  {k}={row[k]}" for k in ("decode_ratio_vs_default", "decode_ratio_vs_eager", "decode_ratio_vs_plain",
+                                            "acceptance_rate", "mean_accepted_length", "roofline_fraction",
+                                            f"{tag}_decode_tok_s",
                                             f"decode_ratio_vs_{tag}") if k in row)
             print(f"{row['name']:20s} prompt {n:5d}  prefill {row['prefill_tok_s']:9.1f} tok/s  "
                   f"decode {row['decode_tok_s']:7.2f} tok/s{extra}", file=sys.stdout, flush=True)

@@ -29,10 +29,14 @@ def is_k_major(weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; one row times a big K-major float32 CPU
-    weight runs in ``torch.get_num_threads()`` parallel slabs."""
+    weight runs in ``torch.get_num_threads()`` parallel slabs, except in a
+    compiled step (``batch.compiled``): there inductor would turn the slabs'
+    one-row ``bmm`` into a reduction loop of its own, 3-10x slower than the
+    library's product, and MKL's one-row product is what it calls instead."""
     out_features, in_features = weight.shape
     if (
-        x.numel() != in_features  # more than one row: a GEMM, threaded already
+        torch.compiler.is_compiling()
+        or x.numel() != in_features  # more than one row: a GEMM, threaded already
         or weight.dtype != torch.float32
         or weight.numel() * 4 < SPLIT_MIN_BYTES
         or weight.device.type != "cpu"

@@ -173,7 +173,13 @@ class QuantizedWeight(torch.nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.mode == "int8" and (not self._int8_cuda_ok or (x2.device.type == "cpu"
+        if self.mode == "int8" and x2.shape[0] == 1 and x2.device.type == "cpu" and torch.compiler.is_compiling():
+            # One row in a compiled step (batch.compiled): the dequantization
+            # written out as products and a sum over the codes, which inductor
+            # fuses into one loop reading each byte once, at about twice the
+            # speed of the bfloat16 kernel here; x and the scales stay float32.
+            y = (x2.float()[:, None, :] * self.qweight.float()[None]).sum(-1) * self.scales
+        elif self.mode == "int8" and (not self._int8_cuda_ok or (x2.device.type == "cpu"
                                                                and x2.shape[0] >= CPU_GEMM_ROWS)):
             # Dequantized once per call, in x's dtype: many rows on the CPU (the
             # bf16 kernel computes slower than MKL there), or no int8 kernel.

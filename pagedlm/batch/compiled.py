@@ -1,0 +1,196 @@
+"""A compiled CPU decode step: ``CompiledDecode`` (``--compile``).
+
+An eager CPU decode step of a small model is a thousand small torch calls
+(norms, RoPE, casts, residual adds, the products), each paying the host's
+dispatch. ``torch.compile`` (inductor's CPU backend, which writes and builds
+C++) turns the model's forward and its output head into one graph: the
+pointwise work between two products fuses into one loop, and the step is
+one call with one set of guards. The products: float32 ones are MKL's
+(``kernels.cpu.linear``), int4 ones torch's int4 kernel, and a one-row int8
+product becomes a loop of inductor's own over the codes
+(``QuantizedWeight.linear``, ``inductor_options``).
+
+Attention stays outside the graph, as it is: each layer's keys and values
+go to the store and its backend through one opaque custom op
+(``pagedlm::write_attend``), so the keys a row attends over may grow every
+step without a recompilation, and the store's Python (row caches, masks,
+ring buffers) runs eagerly with the real step. The graph sees only tensors
+of fixed shapes: the new tokens' ids and positions, and RoPE's table, which
+the graph reads at a fixed bound (``max_model_len``, as the CUDA graphs do)
+so that it never grows under it.
+
+Shape classes: one graph for a batch of one, one for 2 to ``MAX_ROWS``
+decode rows (their count a dynamic dimension). Both compile when the engine
+starts (``warm_up``), never on a request's path; inductor keeps what it
+builds under ``~/.cache/pagedlm/inductor`` (``$PAGEDLM_CACHE_DIR/inductor``),
+so a later process on the same model and torch reuses it.
+
+Which steps it runs: every row decodes one token and samples, at most
+``MAX_ROWS`` rows (a step with a prompt chunk or a speculative verify row
+runs eagerly). Float32 logits equal the eager step's within 1e-4 (the fused
+loops sum in another order); quantized ones differ a little more, since the
+int8 loop reads float32 activations where the kernel rounds them to
+bfloat16 (``tests/weights/test_compiled_models.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import warnings
+import weakref
+from itertools import count
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedlm.cache.step import StepBatch
+from pagedlm.kernels.quant import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedlm.cache.store import KVStore
+
+MAX_ROWS = 32  # more decode rows than this are a GEMM-shaped step: eager (its fixed costs amortise)
+# Every engine's graphs hang on one function's code, two per model (and
+# dtype, quantization): more than dynamo's default of 8 in a process that
+# compiles several models (a bench of every mode, a test run).
+RECOMPILE_LIMIT = 64
+# The engines whose graphs run now, by number: the custom op finds its store
+# and step here (its arguments can only be tensors and scalars). The number
+# is a tensor input of the graph: the graph does not depend on the engine.
+_RUNNING: "weakref.WeakValueDictionary[int, CompiledDecode]" = weakref.WeakValueDictionary()
+_NUMBERS = count()
+
+
+@torch.library.custom_op("pagedlm::write_attend", mutates_args=())
+def write_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, engine: torch.Tensor,
+                 layer: int, scale: float) -> torch.Tensor:
+    """``kv.write(layer, keys, values, step)`` then ``kv.attend(layer, q, step)``
+    on the running step of engine number ``engine``, eagerly."""
+    run = _RUNNING[int(engine)]
+    run.store.write(layer, keys, values, run.step)
+    return run.store.attend(layer, q, run.step, scale=scale)
+
+
+@write_attend.register_fake
+def _(q, keys, values, engine, layer, scale):
+    return torch.empty_like(q)
+
+
+class _GraphKV:
+    """The ``KVAccess`` the compiled graph sees: a layer's ``write`` is held
+    until its ``attend``, and both become one ``write_attend``."""
+
+    def __init__(self, number: int) -> None:
+        self.number = torch.tensor(number)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, step: StepBatch) -> None:
+        self.held[layer] = (keys, values)
+
+    def attend(self, layer: int, q: torch.Tensor, step: StepBatch, *, scale: float) -> torch.Tensor:
+        keys, values = self.held.pop(layer)
+        return torch.ops.pagedlm.write_attend(q, keys, values, self.number, layer, scale)
+
+
+def use_cache_dir() -> str:
+    """Point inductor's cache at ``$PAGEDLM_CACHE_DIR/inductor`` (default
+    ``~/.cache/pagedlm/inductor``), unless ``TORCHINDUCTOR_CACHE_DIR`` names
+    another folder than torch's default (a folder under /tmp, which a reboot
+    empties); returns the folder in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        base = os.environ.get("PAGEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedlm")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def inductor_options(model: torch.nn.Module) -> dict:
+    """Quantized weights: every pointwise result becomes a buffer. A one-row
+    int8 product in the graph is a reduction over the codes
+    (``QuantizedWeight.linear``), and inductor would otherwise recompute the
+    norm or activation that feeds it once per output row (measured on SmolLM2,
+    2 threads: int8 1.24 -> 1.39x eager, int4 with its int8 head 1.06 ->
+    1.32x). A float32 step's products are library calls that read buffers
+    anyway, and there the same setting costs 3% (1.17 -> 0.97x): left alone."""
+    quantized = any(isinstance(m, QuantizedWeight) for m in model.modules())
+    return {"realize_opcount_threshold": 0} if quantized else {}
+
+
+class CompiledDecode:
+    """The engine's decode step as compiled graphs (the CPU's counterpart of
+    ``graphs.DecodeGraphs``, with the same ``can_run`` / ``run``)."""
+
+    def __init__(self, model: torch.nn.Module, store: "KVStore", max_num_seqs: int, max_model_len: int) -> None:
+        self.model, self.store, self.max_rows = model, store, min(max_num_seqs, MAX_ROWS)
+        self.number = next(_NUMBERS)
+        self.step: StepBatch | None = None  # the step running now, for write_attend
+        kv = _GraphKV(self.number)
+        # What the model reads of the step in the graph: RoPE's bound, fixed.
+        bound = StepBatch(None, None, None, None, None, None, (), (), (), (), max_model_len - 1)
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model.compute_logits(model(input_ids, positions, kv, bound))
+
+        self.bound = bound
+        self._graph = torch.compile(forward, dynamic=False, options=inductor_options(model))
+        _RUNNING[self.number] = self
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile the graphs now, on throwaway rows of the store: first one
+        eager step at RoPE's bound (its table grows outside the graph), then
+        a batch of one and of two through the graph."""
+        t0 = time.perf_counter()
+        print(f"pagedlm: compiling the CPU decode step (once per model; cached in {use_cache_dir()})",
+              file=sys.stderr, flush=True)
+        eager = lambda step: self.model(step.input_ids, step.positions, self.store,  # noqa: E731
+                                        dataclasses.replace(step, max_position=self.bound.max_position))
+        with warnings.catch_warnings():
+            # dynamo traces through functools.lru_cache (gemma3._embed_scale): a pure function, same value
+            warnings.filterwarnings("ignore", message=".*lru_cache.*", category=UserWarning)
+            for n, forward in ((1, eager), (1, self.run), (2, self.run))[: 3 if self.max_rows > 1 else 2]:
+                self._throwaway_step(n, forward)
+        print(f"pagedlm: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def _throwaway_step(self, n: int, forward) -> None:
+        device = next(self.model.parameters()).device
+        rows = tuple(range(-n, 0))  # ids no sequence has
+        for seq_id in rows:
+            self.store.add_row(seq_id)
+        zeros = lambda: torch.zeros(n, dtype=torch.long, device=device)  # noqa: E731 (distinct: no aliasing guard)
+        step = StepBatch(input_ids=zeros(), positions=zeros(), seq_lens=zeros() + 1,
+                         logits_rows=torch.arange(n, device=device), slot_mapping=None, block_tables=None,
+                         seq_ids=rows, query_start_host=tuple(range(n + 1)), seq_lens_host=(1,) * n,
+                         sampling_rows=tuple(range(n)), max_position=0)
+        try:
+            with torch.inference_mode():
+                forward(step)
+        finally:
+            self.store.end_step()
+            for seq_id in rows:
+                for cache in self.store.pop_row(seq_id):
+                    if cache is not None:
+                        cache.dispose()
+
+    def can_run(self, step: StepBatch) -> bool:
+        n = len(step.seq_ids)
+        return step.num_tokens == n == len(step.sampling_rows) and n <= self.max_rows
+
+    def run(self, step: StepBatch) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of a decode step of ``n`` rows (``can_run``)."""
+        self.step = step
+        try:
+            if len(step.seq_ids) > 1:  # one graph for every batch of 2 to MAX_ROWS rows
+                torch._dynamo.mark_dynamic(step.input_ids, 0, min=2, max=self.max_rows)
+                torch._dynamo.mark_dynamic(step.positions, 0, min=2, max=self.max_rows)
+            # capture_scalar_outputs: Gemma's embedding scale is a tensor's .item()
+            # (gemma3._embed_scale), a graph break at the first layer otherwise.
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, capture_scalar_outputs=True):
+                return self._graph(step.input_ids, step.positions)
+        finally:
+            self.step = None
