@@ -335,7 +335,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
                "block_size": options.paged_kv.block_size if options.paged_kv else None,
                "attention_backend": ran[name]["attention_backend"],
                "kv_quant": options.kv_quant, "quantization": name if name in opt.QUANTIZATIONS else "none",
-               "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
+               "compiled": options.compile, "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "total_tok_s": round((base["input_tokens"] + r.output_tokens) / r.seconds, 2),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],

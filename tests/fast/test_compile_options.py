@@ -61,3 +61,18 @@ def test_bench_decode_compile_adds_compiled_rows_beside_the_eager_ones(tmp_path,
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["name"], r["compiled"]) for r in rows] == [("pagedlm-default", False), ("pagedlm-default-compiled", True)]
     assert rows[1]["decode_ratio_vs_eager"] > 0 and "decode_ratio_vs_eager" not in rows[0]
+
+
+@pytest.mark.skipif(opt.cxx_compiler() is None, reason="--compile needs a C++ compiler")
+def test_bench_throughput_rows_say_whether_they_ran_compiled(tmp_path, capsys):
+    import json
+
+    from tests.fast.test_bench_batched import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    argv = ["bench", "throughput", "--model", str(tmp_path), "--random-weights", "--device", "cpu",
+            "--num-prompts", "2", "--min-len", "4", "--max-len", "8", "--max-num-seqs", "1", "--json"]
+    for flag, compiled in (([], False), (["--compile"], True)):
+        assert main(argv + flag) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        assert rows and all(r["compiled"] is compiled for r in rows)
