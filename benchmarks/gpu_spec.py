@@ -44,7 +44,7 @@ import torch
 
 from pagedlm.batch.draft import DraftProposer
 from pagedlm.batch.engine import LLMEngine
-from pagedlm.batch.graphs import DecodeGraphs
+from pagedlm.batch.graphs import DecodeGraphs, capture_graphs
 from pagedlm.bench.common import load_random
 from pagedlm.options import resolve_engine_options
 from pagedlm.params import SamplingParams
@@ -90,11 +90,8 @@ class Forced:
 def verify_graphs(engine: LLMEngine, k: int) -> DecodeGraphs | None:
     """The graphs of verify steps of k proposed tokens a row, as an engine
     with ``--num-speculative-tokens k`` captures them (None without graphs)."""
-    if engine.graphs is None:
-        return None
-    bs = engine.layout.block_size
-    return DecodeGraphs(engine.model, engine.store, engine.max_num_seqs, -(-engine.max_model_len // bs), bs,
-                        engine.device, queries=1 + k)
+    return capture_graphs(engine.model, engine.store, engine.options, engine.max_num_seqs, engine.max_model_len,
+                          queries=1 + k)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, proposer=None) -> dict:

@@ -37,7 +37,7 @@ from pagedlm.cache.store import KVStore
 from pagedlm.options import EngineOptions, UnsupportedOption
 from pagedlm.speculative import Proposing
 
-from .graphs import DecodeGraphs
+from .graphs import capture_graphs
 from .step import prepare_step
 
 
@@ -84,10 +84,8 @@ class DraftProposer:
         pools = make_pools(layout, param.dtype, self.device)
         self.blocks = BlockManager(layout.num_blocks, layout.block_size) if pools is not None else None
         self.store = KVStore(layout, pools, backend)
-        self.graphs = None  # the passes after the first decode one token a row: as the engine's, replayed
-        if backend.in_place and self.device.type == "cuda" and not options.enforce_eager:
-            self.graphs = DecodeGraphs(draft, self.store, max_num_seqs, -(-max_model_len // layout.block_size),
-                                       layout.block_size, self.device)
+        # The passes after the first decode one token a row: replayed, as the engine's are.
+        self.graphs = capture_graphs(draft, self.store, options, max_num_seqs, max_model_len)
         self.fed: dict[int, list[int]] = {}  # seq id -> the tokens whose keys the draft's store holds
 
     # -- the proposer -----------------------------------------------------------

@@ -34,7 +34,7 @@ from pagedlm.params import SamplingParams
 from pagedlm.sampling import logprobs_of, ranks_of, sample, shares_argmax, token_rules
 from pagedlm.speculative import NgramProposer, SpecStats, verify
 
-from .graphs import DecodeGraphs
+from .graphs import capture_graphs
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
 from .step import prepare_step
@@ -171,15 +171,13 @@ class LLMEngine:
         self.store = getattr(model, "make_store", KVStore)(layout, pools, backend)
         self.admission = (BlockAdmission(self.blocks, self.store) if self.blocks is not None
                           else ByteAdmission(layout, self.store, self.prompt_cache, self.max_num_batched_tokens))
-        self.graphs = self.verify_graphs = None
-        if backend.in_place and kind == "cuda" and not options.enforce_eager:
-            width = -(-self.max_model_len // layout.block_size)
-            self.graphs = DecodeGraphs(model, self.store, self.max_num_seqs, width, layout.block_size, self.device)
-            if options.speculative is not None:  # verify steps whose rows all check k proposed tokens
-                k = options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
-                self.verify_graphs = DecodeGraphs(model, self.store, min(self.max_num_seqs, MAX_VERIFY_GRAPH_ROWS),
-                                                  width, layout.block_size, self.device, queries=1 + k)
-        elif options.compile:  # the CPU's counterpart: decode steps as compiled graphs (same can_run / run)
+        self.graphs = capture_graphs(model, self.store, options, self.max_num_seqs, self.max_model_len)
+        self.verify_graphs = None
+        if self.graphs is not None and options.speculative is not None:  # verify steps: every row checks k tokens
+            k = options.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+            rows = min(self.max_num_seqs, MAX_VERIFY_GRAPH_ROWS)
+            self.verify_graphs = capture_graphs(model, self.store, options, rows, self.max_model_len, queries=1 + k)
+        if self.graphs is None and options.compile:  # the CPU's counterpart: decode steps compiled (same can_run / run)
             from .compiled import CompiledDecode
 
             self.graphs = CompiledDecode(model, self.store, self.max_num_seqs, self.max_model_len)

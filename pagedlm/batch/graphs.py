@@ -38,6 +38,19 @@ from pagedlm.cache.step import StepBatch
 
 if TYPE_CHECKING:
     from pagedlm.cache.store import KVStore
+    from pagedlm.options import EngineOptions
+
+
+def capture_graphs(model: torch.nn.Module, store: "KVStore", options: "EngineOptions", max_num_seqs: int,
+                   max_model_len: int, queries: int = 1) -> "DecodeGraphs | None":
+    """The graphs a model over ``store`` captures (an engine's, or its draft
+    model's): on CUDA with a backend that reads the pools in place, unless
+    ``--enforce-eager``; None otherwise (the step runs eagerly)."""
+    device = next(model.parameters()).device
+    if not store.backend.in_place or device.type != "cuda" or options.enforce_eager:
+        return None
+    block_size = store.layout.block_size
+    return DecodeGraphs(model, store, max_num_seqs, -(-max_model_len // block_size), block_size, device, queries)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -55,7 +68,7 @@ class DecodeGraphs:
         n, q = self.sizes[-1], queries
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
         self.input_ids, self.block_tables = zeros(n * q), zeros(n, table_width)
-        self.positions = torch.arange(q, device=device).repeat(n)  # padding rows: positions 0 .. q - 1
+        self.positions = zeros(n * q)
         self.seq_lens = torch.full((n,), q, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=device)
         self.query_start = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
