@@ -29,7 +29,7 @@ CASES = {  # name: (pool type, values' token stride is 1 (head-major), 8-bit)
     "int8 token-major": ("*i8", False, True),
     "int8 head-major": ("*i8", True, True),
 }
-STRIDES = ("stride_qb", "stride_qh", "stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
+STRIDES = ("stride_qb", "stride_qh", "stride_tb", "stride_os", "stride_oh", "stride_ls", "stride_lh",
            "sk_block", "sk_tok", "sk_head", "sk_dim", "sv_block", "sv_tok", "sv_head", "sv_dim",
            "ss_block", "ss_tok", "ss_head")
 PATTERN = re.compile(r"\b(cp\.async\.c[ag]\.shared\.global|ld\.shared\.[a-z0-9.]+|ld\.global\.[a-z0-9.]+|"

@@ -33,8 +33,8 @@ class AttentionBackend(Protocol):
         """Drop what the step kept for its layers (its plan, masks, row tables)."""
         ...
 
-    def can_capture(self, step: StepBatch) -> bool:
-        """Whether a CUDA graph may capture and replay ``step``: its attention
-        reads nothing on the host and launches the same shapes whatever the
-        rows' lengths."""
+    def can_capture(self, store: "KVStore", step: StepBatch) -> bool:
+        """Whether a CUDA graph may capture and replay ``step`` over ``store``:
+        its attention reads nothing on the host and launches the same shapes
+        whatever the rows' lengths."""
         ...

@@ -50,7 +50,7 @@ class TorchBackend(Planned):
             out[a:b] = self._attend_one(store, layer, q[a:b], plan, r, fetched, scale)
         return out
 
-    def can_capture(self, step: StepBatch) -> bool:
+    def can_capture(self, store: "KVStore", step: StepBatch) -> bool:
         return False
 
     def _attend_one(self, store, layer, q, plan, r, fetched, scale) -> torch.Tensor:

@@ -86,7 +86,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:n], logits_rows=None,
             slot_mapping=self.slot_mapping[: n * q], block_tables=self.block_tables[:n],
             seq_ids=rows, query_start_host=tuple(range(0, n * q + 1, q)), seq_lens_host=(),
-            sampling_rows=rows, max_position=self.max_position, query_start=self.query_start[: n + 1],
+            sampling_rows=rows, max_position=self.max_position, query_start=self.query_start[: n + 1], replayed=True,
         )
 
     def _forward(self, step: StepBatch) -> torch.Tensor:
@@ -108,7 +108,7 @@ class DecodeGraphs:
 
     def can_run(self, step: StepBatch) -> bool:
         n, q = len(step.seq_ids), self.queries
-        return (step.num_tokens == n * q and self.store.backend.can_capture(step)
+        return (step.num_tokens == n * q and self.store.backend.can_capture(self.store, step)
                 and len(step.sampling_rows) == n and len(step.logits_rows) == n * q and n <= self.sizes[-1])
 
     def run(self, step: StepBatch) -> torch.Tensor:

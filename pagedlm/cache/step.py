@@ -33,6 +33,9 @@ class StepBatch:
     # builder holds it there already (a CUDA graph's static buffer; else the
     # attention backend copies query_start_host over).
     query_start: torch.Tensor | None = None
+    # A CUDA graph's step: lengths change at every replay (seq_lens_host is empty),
+    # so what attention sizes by them is sized for any step the graph may replay.
+    replayed: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,10 @@ Decode is split-K ("flash-decoding"): a row's keys are cut into splits of
 split's softmax-weighted sum is computed on its own, for every query head
 of the KV group at once (the keys are read once per group, not once per
 query head), and written as its own partial with its log-sum-exp; a second
-kernel merges a row's partials in split order. The grid is (row, KV head,
+kernel merges a row's partials in split order. The partials lie in one flat
+buffer, row after row (a row's first split after every split of the rows
+before it, ``splits_before``), so the buffer holds the step's splits, not
+rows x the longest context: ``decode_partials`` sizes it. The grid is (row, KV head,
 programs): program ``z`` takes splits ``z, z + programs, ...``. Nothing a
 split computes depends on which program took it, so the program count can
 follow the batch size (many per row when the batch is small, one when the
@@ -51,6 +54,7 @@ SPLIT = 256  # keys per decode split, each its own partial: fixed, so a row's re
 PROGRAMS_PER_SM = 4  # decode_programs: how full the grid is made
 MAX_PROGRAMS = 128  # programs per (row, KV head) at most; program z takes splits z, z + programs, ...
 MERGE_CHUNK = 32  # splits the merge reads at a time
+ROWS_CHUNK = 256  # rows' lengths a program sums at a time to find its row's first partial
 BLOCK_N = 64  # keys per tile inside a split
 STAGES = 3  # pipeline stages of the tile loop: 8-bit pools, and bf16 ones while rows x KV heads < SMs
 STAGES_BUSY = 2  # bf16 pools otherwise (stages change timing, never results)
@@ -128,20 +132,31 @@ if triton is not None:
             tl.store(scale_dst, scale.to(scale_dst.dtype.element_ty), mask=hm)
 
     @triton.jit
+    def _splits_before(SeqLens, b, SPLIT: tl.constexpr, ROWS: tl.constexpr):
+        """Splits of the rows before row ``b``: where its partials start."""
+        total = 0
+        for c in range(0, b, ROWS):
+            rows = c + tl.arange(0, ROWS)
+            lens = tl.load(SeqLens + rows, mask=rows < b, other=0)
+            total += tl.sum((lens + SPLIT - 1) // SPLIT)
+        return total
+
+    @triton.jit
     def _decode_split_kernel(
         Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart,
-        stride_qb, stride_qh, stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+        stride_qb, stride_qh, stride_tb, stride_os, stride_oh, stride_ls, stride_lh,
         sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
         scale, window, programs,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr, F16_SHIFT: tl.constexpr,
-        RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr,
+        RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr, ROWS: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         z = tl.program_id(2)
         seq_len = tl.load(SeqLens + b)
+        base = _splits_before(SeqLens, b, SPLIT, ROWS)
         lo = tl.maximum(seq_len - window, 0)
         # This program's splits: z, z + programs, ... from the first in the window.
         s_begin = z + tl.cdiv(tl.maximum(lo // SPLIT - z, 0), programs) * programs
@@ -223,9 +238,9 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_T), v, input_precision=PRECISION)
                 m_i = m_new
             # A split in [lo // SPLIT, cdiv(seq_len, SPLIT)) holds a key: l_i > 0.
-            tl.store(OutPart + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + d[None, :],
+            tl.store(OutPart + (base + s) * stride_os + heads[:, None] * stride_oh + d[None, :],
                      acc / l_i[:, None], mask=gmask[:, None])
-            tl.store(LsePart + b * stride_lb + heads * stride_lh + s, m_i + tl.log(l_i), mask=gmask)
+            tl.store(LsePart + (base + s) * stride_ls + heads * stride_lh, m_i + tl.log(l_i), mask=gmask)
 
     @triton.jit
     def _scale_pairs(KScale, VScale, s_at, bmask, BLOCK_N: tl.constexpr, RUN: tl.constexpr):
@@ -245,13 +260,14 @@ if triton is not None:
     @triton.jit
     def _decode_merge_kernel(
         OutPart, LsePart, Out, SeqLens,
-        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, window,
-        D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+        stride_ps, stride_ph, stride_ls, stride_lh, stride_ob, stride_oh, window,
+        D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
     ):
         """A row's split partials, merged in split order, CHUNK at a time."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.load(SeqLens + b)
+        base = _splits_before(SeqLens, b, SPLIT, ROWS)
         first = tl.maximum(seq_len - window, 0) // SPLIT
         d = tl.arange(0, D)
         m = tl.full([1], float("-inf"), tl.float32)
@@ -260,8 +276,8 @@ if triton is not None:
         for c in range(first, tl.cdiv(seq_len, SPLIT), CHUNK):
             splits = c + tl.arange(0, CHUNK)
             smask = splits < tl.cdiv(seq_len, SPLIT)
-            lse = tl.load(LsePart + b * stride_lb + h * stride_lh + splits, mask=smask, other=float("-inf"))
-            part = tl.load(OutPart + b * stride_pb + h * stride_ph + splits[:, None] * stride_ps + d[None, :],
+            lse = tl.load(LsePart + (base + splits) * stride_ls + h * stride_lh, mask=smask, other=float("-inf"))
+            part = tl.load(OutPart + (base + splits)[:, None] * stride_ps + h * stride_ph + d[None, :],
                            mask=smask[:, None], other=0.0)
             m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the first chunk holds a split
             alpha = tl.exp(m - m_new)
@@ -468,7 +484,7 @@ def decode_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant,
         STAGES=STAGES if quant or not busy else STAGES_BUSY,
         F16_DOT=quant and q_dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
-        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1,
+        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1, ROWS=ROWS_CHUNK,
     )
 
 
@@ -478,6 +494,24 @@ def decode_programs(batch: int, kv_heads: int, device: torch.device) -> int:
     Any count gives the same result (each split is its own partial)."""
     want = -(-PROGRAMS_PER_SM * _sm_count(device) // (batch * kv_heads))
     return max(1, min(MAX_PROGRAMS, triton.next_power_of_2(want)))
+
+
+def row_splits(seq_len: int) -> int:
+    """A row of ``seq_len`` keys' decode splits (its partials)."""
+    return -(-seq_len // SPLIT)
+
+
+def decode_partials(rows: int, table_width: int, block_size: int) -> int:
+    """Partials of any ``rows`` rows of a table ``table_width`` blocks wide: each row's most."""
+    return rows * row_splits(table_width * block_size)
+
+
+def pool_partials(rows: int, pool_tokens: int) -> int:
+    """Partials of any ``rows`` rows whose keys are distinct slots of a pool
+    of ``pool_tokens`` (no block shared between two rows): those tokens'
+    splits, plus one a row (its last split may be partial). Rows that share
+    prefix blocks can hold more."""
+    return pool_tokens // SPLIT + rows
 
 
 def paged_decode(
@@ -490,6 +524,7 @@ def paged_decode(
     window: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs: int | None = None,
+    partials: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row over its paged keys: ``q`` ``[B, H_q,
     D]``, ``block_tables`` ``[B, W]``, ``seq_lens`` ``[B]`` (keys per row, the
@@ -499,14 +534,17 @@ def paged_decode(
     scores (keys) and its probability (values) in float32, so no element is
     multiplied or rounded on its own. ``programs`` per (row, KV head):
     ``decode_programs`` unless given (tests); it changes the speed only.
-    The launch's shape depends on ``B``, the heads and the table width
-    ``W``, never on lengths: a CUDA graph captured once serves every length."""
+    ``partials``: splits the buffer of partials holds, at least the rows'
+    ``row_splits`` together (the caller's promise); ``decode_partials`` for
+    the table unless given.
+    The launch's shape depends on ``B``, the heads and ``partials``, never
+    on lengths: a CUDA graph captured once serves every length."""
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_pool.shape
     G = Hq // Hkv
-    splits = triton.cdiv(block_tables.shape[1] * BS, SPLIT)  # the most a row of this table can have
-    part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
-    lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    partials = partials or decode_partials(B, block_tables.shape[1], BS)
+    part = torch.empty((partials, Hq, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((partials, Hq), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     if B == 0:
         return out
@@ -516,7 +554,7 @@ def paged_decode(
     _decode_split_kernel[(B, Hkv, programs)](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
         scale, _window(window), programs,
         **decode_constants(q.dtype, G, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
@@ -524,8 +562,8 @@ def paged_decode(
     )
     _decode_merge_kernel[(B, Hq)](
         part, lse, out, seq_lens,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), _window(window), D=D, SPLIT=SPLIT, CHUNK=MERGE_CHUNK,
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), _window(window), D=D, SPLIT=SPLIT, CHUNK=MERGE_CHUNK, ROWS=ROWS_CHUNK,
     )
     return out
 

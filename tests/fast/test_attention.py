@@ -5,6 +5,9 @@ Triton kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,9 +67,26 @@ def step_of(queries: list[int]) -> StepBatch:
 @pytest.mark.parametrize("queries,triton_captures", [([1], True), ([1, 1, 1], True), ([1, 3], False), ([4], True),
                                                      ([5, 5, 5], True), ([5, 5, 4], False)])
 def test_only_the_kernels_steps_of_rows_of_one_length_may_be_captured(queries, triton_captures):
-    step = step_of(queries)
-    assert select_backend("triton", "cuda", paged=True).can_capture(step) == triton_captures
-    assert not select_backend("torch", "cuda", paged=True).can_capture(step)
+    step, store = step_of(queries), pool_of(blocks=64)
+    assert select_backend("triton", "cuda", paged=True).can_capture(store, step) == triton_captures
+    assert not select_backend("torch", "cuda", paged=True).can_capture(store, step)
+
+
+def pool_of(blocks: int, block_size: int = 16) -> SimpleNamespace:
+    """What ``can_capture`` reads of a store: its pool's size."""
+    return SimpleNamespace(pools=SimpleNamespace(num_blocks=blocks, block_size=block_size))
+
+
+def test_decode_rows_that_share_more_keys_than_the_pool_holds_run_eager():
+    """A graph's decode partials are bounded by the pool (rows of distinct
+    blocks); rows that share a long prefix's blocks can need more, and the
+    step then runs eager instead of overflowing the captured buffer."""
+    triton = select_backend("triton", "cuda", paged=True)
+    step = step_of([1] * 8)
+    prefix = 4 * paged_attention.SPLIT  # each of 8 rows has 4 splits of keys: 32 splits in all
+    shared = dataclasses.replace(step, seq_lens_host=(prefix,) * 8)
+    assert triton.can_capture(pool_of(blocks=prefix // 16 + 8), shared) is False  # 4 + 8 = 12 partials < 32
+    assert triton.can_capture(pool_of(blocks=8 * prefix // 16), shared) is True  # 32 + 8 partials
 
 
 class Recorder:
@@ -84,7 +104,7 @@ class Recorder:
     def end_step(self):
         self.calls.append(("end_step",))
 
-    def can_capture(self, step):
+    def can_capture(self, store, step):
         return False
 
 

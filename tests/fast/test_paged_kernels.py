@@ -80,6 +80,29 @@ def test_decode_row_ignores_neighbours_table_width_and_program_count(window):
                                            programs=programs), together)
 
 
+def test_decode_partials_hold_the_rows_splits_and_no_more():
+    """The buffer of partials holds the step's splits, row after row: sized
+    to exactly the rows' splits (the long row in the middle, so a row's first
+    partial depends on the rows before it) the bits are those of the table's
+    most; rows of distinct blocks never need more than the pool's bound."""
+    lengths = [20, 4200, 333, 1]
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 8, 2, 64, torch.float32, seed=4)
+    exact = sum(map(pa.row_splits, lengths))
+    assert exact == 1 + 17 + 2 + 1
+    assert pa.decode_partials(4, tables.shape[1], 16) >= 4 * 17
+    roomy = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125)
+    tight = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, partials=exact)
+    assert rel_err(roomy, paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)) < 1e-5
+    assert torch.equal(tight, roomy)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # rows cut from a pool of 64 blocks of 16: their splits fit the pool's bound
+        blocks = torch.randint(1, 20, (8,), generator=g).tolist()
+        while sum(blocks) > 64:
+            blocks.pop()
+        lens = [16 * n - int(torch.randint(0, 16, (1,), generator=g)) for n in blocks]
+        assert sum(map(pa.row_splits, lens)) <= pa.pool_partials(len(lens), 64 * 16)
+
+
 def varlen_queries(q_lens, hq, d, dtype, seed=0):
     """``[sum(q_lens), hq, d]`` random queries and their ``query_start``, on `DEVICE`."""
     g = torch.Generator().manual_seed(seed + 100)
