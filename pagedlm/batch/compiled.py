@@ -10,14 +10,17 @@ one call with one set of guards. The products: float32 ones are MKL's
 product becomes a loop of inductor's own over the codes
 (``QuantizedWeight.linear``, ``inductor_options``).
 
-Attention stays outside the graph, as it is: each layer's keys and values
-go to the store and its backend through one opaque custom op
-(``pagedlm::write_attend``), so the keys a row attends over may grow every
-step without a recompilation, and the store's Python (row caches, masks,
-ring buffers) runs eagerly with the real step. The graph sees only tensors
-of fixed shapes: the new tokens' ids and positions, and RoPE's table, which
-the graph reads at a fixed bound (``max_model_len``, as the CUDA graphs do)
-so that it never grows under it.
+Attention: in the one-row graph it is inside. The store reserves each
+layer's slot for the step's token eagerly (``KVStore.reserve_decode``:
+the per-row caches grow and their rings turn in their own Python) and hands
+the graph views of exactly the keys the token attends to; their lengths are
+dynamic dimensions (one symbol each, duck sizing off), so keys that grow
+never recompile. The graph writes the new key and value into their slot in
+place (``index_copy_``) and calls SDPA on the views (``_RowKV``). The 2 to
+``MAX_ROWS`` row graph still sends each layer's attention to the store
+through one opaque custom op (``pagedlm::write_attend``: its inputs would
+otherwise be per row). The graph reads RoPE's table at a fixed bound
+(``max_model_len``, as the CUDA graphs do) so that it never grows under it.
 
 Shape classes: one graph for a batch of one, one for 2 to ``MAX_ROWS``
 decode rows (their count a dynamic dimension). Both compile when the engine
@@ -45,7 +48,9 @@ from itertools import count
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx.experimental._config
 
+from pagedlm.attention.sdpa import attend_rows
 from pagedlm.cache.step import StepBatch
 from pagedlm.kernels.quant import QuantizedWeight
 
@@ -77,6 +82,26 @@ def write_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, engi
 @write_attend.register_fake
 def _(q, keys, values, engine, layer, scale):
     return torch.empty_like(q)
+
+
+class _RowKV:
+    """The ``KVAccess`` of the one-row graph: attention inside it. Each
+    layer's keys and values are the views the store reserved for the step
+    (``KVStore.reserve_decode``; their lengths dynamic dimensions): the new
+    key and value go to their slot in place, then SDPA reads the view."""
+
+    def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
+        self.views, self.slots = views, slots
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, step: StepBatch) -> None:
+        k, v = self.views[layer]
+        slot = self.slots[layer : layer + 1]
+        k.index_copy_(0, slot, keys)
+        v.index_copy_(0, slot, values)
+
+    def attend(self, layer: int, q: torch.Tensor, step: StepBatch, *, scale: float) -> torch.Tensor:
+        k, v = self.views[layer]
+        return attend_rows(q, k[None], v[None], None, scale)
 
 
 class _GraphKV:
@@ -136,8 +161,13 @@ class CompiledDecode:
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model.compute_logits(model(input_ids, positions, kv, bound))
 
+        def forward_one(input_ids: torch.Tensor, positions: torch.Tensor, views: list, slots: torch.Tensor):
+            return model.compute_logits(model(input_ids, positions, _RowKV(views, slots), bound))
+
         self.bound = bound
-        self._graph = torch.compile(forward, dynamic=False, options=inductor_options(model))
+        options = inductor_options(model)
+        self._graph = torch.compile(forward, dynamic=False, options=options)
+        self._one = torch.compile(forward_one, dynamic=False, options=options)
         _RUNNING[self.number] = self
         self.warm_up()
 
@@ -153,22 +183,33 @@ class CompiledDecode:
         with warnings.catch_warnings():
             # dynamo traces through functools.lru_cache (gemma3._embed_scale): a pure function, same value
             warnings.filterwarnings("ignore", message=".*lru_cache.*", category=UserWarning)
-            for n, forward in ((1, eager), (1, self.run), (2, self.run))[: 3 if self.max_rows > 1 else 2]:
-                self._throwaway_step(n, forward)
+            self._throwaway_step(1, eager)  # RoPE's table at its bound
+            self._throwaway_step(1, self.run, prompt=eager)  # keys of two tokens first: lengths of 3
+            if self.max_rows > 1:
+                self._throwaway_step(2, self.run)
         print(f"pagedlm: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    def _throwaway_step(self, n: int, forward) -> None:
+    def _throwaway_step(self, n: int, forward, prompt=None) -> None:
+        """``n`` new rows decode one token through ``forward``; with ``prompt``
+        (one row), after two tokens that ``prompt`` stores for it."""
         device = next(self.model.parameters()).device
         rows = tuple(range(-n, 0))  # ids no sequence has
         for seq_id in rows:
             self.store.add_row(seq_id)
-        zeros = lambda: torch.zeros(n, dtype=torch.long, device=device)  # noqa: E731 (distinct: no aliasing guard)
-        step = StepBatch(input_ids=zeros(), positions=zeros(), seq_lens=zeros() + 1,
+        start = 0 if prompt is None else 2
+        zeros = lambda k=n: torch.zeros(k, dtype=torch.long, device=device)  # noqa: E731 (distinct: no aliasing guard)
+        step = StepBatch(input_ids=zeros(), positions=zeros() + start, seq_lens=zeros() + start + 1,
                          logits_rows=torch.arange(n, device=device), slot_mapping=None, block_tables=None,
-                         seq_ids=rows, query_start_host=tuple(range(n + 1)), seq_lens_host=(1,) * n,
-                         sampling_rows=tuple(range(n)), max_position=0)
+                         seq_ids=rows, query_start_host=tuple(range(n + 1)), seq_lens_host=(start + 1,) * n,
+                         sampling_rows=tuple(range(n)), max_position=start)
         try:
             with torch.inference_mode():
+                if prompt is not None:
+                    prompt(StepBatch(input_ids=zeros(2), positions=torch.arange(2, device=device), seq_lens=zeros(1) + 2,
+                                     logits_rows=torch.ones(1, dtype=torch.long, device=device), slot_mapping=None,
+                                     block_tables=None, seq_ids=rows, query_start_host=(0, 2), seq_lens_host=(2,),
+                                     sampling_rows=(0,), max_position=1))
+                    self.store.end_step()
                 forward(step)
         finally:
             self.store.end_step()
@@ -183,11 +224,19 @@ class CompiledDecode:
 
     def run(self, step: StepBatch) -> torch.Tensor:
         """Logits ``[n, vocab]`` of a decode step of ``n`` rows (``can_run``)."""
+        if len(step.seq_ids) == 1:
+            views, slots = self.store.reserve_decode(step)
+            for k, v in views:  # the keys' lengths grow: dynamic, one symbol each (no duck sizing)
+                torch._dynamo.mark_dynamic(k, 0)
+                torch._dynamo.mark_dynamic(v, 0)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, capture_scalar_outputs=True), \
+                    torch.fx.experimental._config.patch(use_duck_shape=False):
+                return self._one(step.input_ids, step.positions, views, slots)
         self.step = step
         try:
-            if len(step.seq_ids) > 1:  # one graph for every batch of 2 to MAX_ROWS rows
-                torch._dynamo.mark_dynamic(step.input_ids, 0, min=2, max=self.max_rows)
-                torch._dynamo.mark_dynamic(step.positions, 0, min=2, max=self.max_rows)
+            # one graph for every batch of 2 to MAX_ROWS rows
+            torch._dynamo.mark_dynamic(step.input_ids, 0, min=2, max=self.max_rows)
+            torch._dynamo.mark_dynamic(step.positions, 0, min=2, max=self.max_rows)
             # capture_scalar_outputs: Gemma's embedding scale is a tensor's .item()
             # (gemma3._embed_scale), a graph break at the first layer otherwise.
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, capture_scalar_outputs=True):

@@ -1,7 +1,8 @@
 """The Cache protocol every per-sequence, per-layer KV cache satisfies.
 
 The default store (``cache.store.KVStore``) asks a sequence's cache two
-questions per layer and step, and nothing else:
+questions per layer and step, and nothing else (a compiled decode step asks ``cache.next_slot()`` instead,
+and writes the new key and value into the slot itself):
 
     mask = cache.make_mask(n_new, device)  # before the update
     k, v = cache.update_and_fetch(k, v)    # [L, H, D] in, [S, H, D] out
@@ -36,6 +37,13 @@ class Cache(Protocol):
         Returns ``None`` when every fetched key is visible to every query,
         else a bool tensor ``[n_queries, S]`` (True = may attend) matching the
         keys that ``update_and_fetch`` will return."""
+        ...
+
+    def next_slot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for one more token after the first update, which the caller
+        writes (a compiled decode step writes it inside its graph): every
+        key/value that token attends to, as ``[S, H, D]`` views of the
+        storage, and its slot among them; ``offset`` counts it already."""
         ...
 
     def is_trimmable(self) -> bool: ...

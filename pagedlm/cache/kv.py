@@ -55,6 +55,16 @@ class KVCache:
         self.offset = prev + n
         return self.keys[: self.offset], self.values[: self.offset]
 
+    def next_slot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for one more token, which the caller writes (a compiled decode
+        step writes it inside its graph): the keys and values that token
+        attends to, and its slot among them. The offset counts it already."""
+        if self.offset == self.keys.shape[0]:
+            self._grow(self.keys, self.values, self.offset + 1)
+        slot = self.offset
+        self.offset += 1
+        return self.keys[: self.offset], self.values[: self.offset], slot
+
     def _grow(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
         capacity = -(-needed // self.STEP) * self.STEP
         new_k = keys.new_zeros(capacity, *keys.shape[1:])
@@ -162,6 +172,15 @@ class RotatingKVCache:
     def _update_one(
         self, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v, slot = self.next_slot()
+        k[slot : slot + 1] = keys
+        v[slot : slot + 1] = values
+        return k, v
+
+    def next_slot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for one more token after the first update, which the caller
+        writes: the keys and values that token attends to (exactly its
+        window), and its slot among them. The offset counts it already."""
         if not self._ring:
             if self._n >= self.max_size:
                 # Linear buffer after a multi-token update: keep the newest
@@ -173,18 +192,16 @@ class RotatingKVCache:
             else:
                 if self._n == self.keys.shape[0]:
                     self._grow()
-                self.keys[self._n : self._n + 1] = keys
-                self.values[self._n : self._n + 1] = values
+                slot = self._n
                 self._n += 1
                 self.offset += 1
                 if self._n == self.max_size:
                     self._ring, self._idx = True, 0
-                return self.keys[: self._n], self.values[: self._n]
-        self.keys[self._idx : self._idx + 1] = keys
-        self.values[self._idx : self._idx + 1] = values
+                return self.keys[: self._n], self.values[: self._n], slot
+        slot = self._idx
         self._idx = (self._idx + 1) % self.max_size
         self.offset += 1
-        return self.keys, self.values
+        return self.keys, self.values, slot
 
     def _grow(self) -> None:
         """Extend the linear buffer by up to STEP slots, never past max_size."""

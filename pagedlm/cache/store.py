@@ -113,6 +113,22 @@ class KVStore:
             fetched.append((k, v, mask))
         self._fetched[layer] = fetched
 
+    def reserve_decode(self, step: "StepBatch") -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """A step of one decode row, every layer row-cached (a compiled
+        decode step, ``batch.compiled``): each layer's cache makes room for
+        the token (``next_slot``). Returns per layer the keys and values the
+        token attends to, its own slot among them not yet written, and those
+        slots ``[layers]``: whoever attends writes the token there first."""
+        if self.layout.paged_layers or self.layout.mirrored_layers:
+            raise RuntimeError("reserve_decode needs every layer in per-row caches")
+        (seq_id,) = step.seq_ids
+        views, slots = [], []
+        for cache in self.rows[seq_id]:
+            k, v, slot = cache.next_slot()
+            views.append((k, v))
+            slots.append(slot)
+        return views, torch.tensor(slots, device=step.input_ids.device)
+
     def attend(self, layer: int, q: torch.Tensor, step: "StepBatch", *, scale: float) -> torch.Tensor:
         return self.backend.attend(self, layer, q, step, scale=scale)
 

@@ -47,11 +47,16 @@ def _eager_along(model, ids: list[int], tokens: list[int]) -> list[torch.Tensor]
     return [solo([t])[-1].float() for t in tokens[:-1]]
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
-def test_compiled_float32_decode_gives_eager_tokens_and_logits_without_recompiling(name):
+# 250: the default store's keys grow past 256 during the decode; 600: Gemma 3's
+# sliding layers (window 512) start from a prompt longer than their window and
+# attend over their ring buffers in the graph.
+@pytest.mark.parametrize("name,prompt_len", [("smollm2-135m-instruct", 250), ("gemma3-270m", 250),
+                                             ("gemma3-270m", 600)])
+def test_compiled_float32_decode_gives_eager_tokens_and_logits_without_recompiling(name, prompt_len):
     _need(name)
     model, tok = load(name)
-    ids = tok.encode(TEXT * 20)[:250]  # the default store's keys grow past 256 during the decode
+    ids = tok.encode(TEXT * 60)[:prompt_len]
+    assert len(ids) == prompt_len
     tokens, compiled, recompiled = _compiled_run(model, tok, ids, 12)
     assert recompiled == 0  # the keys grew, the graph held
     assert len(compiled) == len(tokens) - 1  # every decode step ran compiled
