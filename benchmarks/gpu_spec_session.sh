@@ -40,7 +40,7 @@ if has mask; then
 fi
 if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask_fill.py)
   LIB=/tmp/pylib; mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB
-  (cd "$NOW" && PYTHONPATH=.:$LIB THREADS="1 4 8 12 16" timeout 120 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
+  (cd "$NOW" && PYTHONPATH=.:$LIB THREADS="${THREADS:-1 4 8 16}" MATCHERS="${MATCHERS:-copy fresh}" timeout 200 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
     2>>"$OUT/bench.err" | tee "$OUT/mask_fill.jsonl"
 fi
 if has decode; then

@@ -8,8 +8,12 @@ Reported per thread count of llguidance's executor: ms per step of
 liveness check) and of the executor alone on states it has just seen (what
 llguidance caches between two fills of one state).
 
+Rows' matchers: ``copy`` (the engine's: deep copies of one compiled
+grammar) or ``fresh`` (each row compiles the grammar itself: whether copies
+share state that threads contend on).
+
 Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
-(THREADS="1 4 12" and FILL_STEPS in the environment).
+(THREADS="1 4 12", MATCHERS="copy fresh" and FILL_STEPS in the environment).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import os
 import random
 import sys
 import time
+from concurrent.futures import Future
 
 import llguidance
 import numpy as np
 
 from pagedlm.structured import Constraint, GrammarCompiler, fill_bitmask
+from pagedlm.structured import compiler as compiler_module
 from pagedlm.structured import matcher as matcher_module
 from pagedlm.tokenizer import Tokenizer
 
@@ -34,9 +40,15 @@ def main() -> None:
     schema = json.load(open(sys.argv[4] if len(sys.argv) > 4 else "benchmarks/configs/person.schema.json"))
     steps = int(os.environ.get("FILL_STEPS", "30"))
     compiler = GrammarCompiler(Tokenizer.from_folder(folder), vocab)
-    for threads in [int(t) for t in os.environ.get("THREADS", f"1 4 {os.cpu_count()}").split()]:
+    constraint = Constraint(json=schema)
+    kinds = os.environ.get("MATCHERS", "copy").split()
+    for kind, threads in [(k, int(t)) for k in kinds for t in os.environ.get("THREADS", f"1 4 {os.cpu_count()}").split()]:
         matcher_module._executor = llguidance.LLExecutor(num_threads=threads)
-        matchers = [compiler.matcher(Constraint(json=schema)) for _ in range(rows)]
+        matchers = [compiler.matcher(constraint) for _ in range(rows)]
+        if kind == "fresh":
+            for m in matchers:
+                m._compiled = Future()
+                m._compiled.set_result(compiler_module._compile(compiler._llg_tokenizer(), constraint.llguidance_grammar()))
         while not all(m.ready() for m in matchers):
             time.sleep(0.01)
         rng = random.Random(0)
@@ -55,7 +67,7 @@ def main() -> None:
             for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
                 if live[j] and not m.is_finished:
                     m.advance(rng.choice(np.flatnonzero(allowed[j]).tolist()))
-        print(json.dumps({"rows": rows, "threads": threads, "vocab": vocab, "steps": steps,
+        print(json.dumps({"rows": rows, "threads": threads, "matchers": kind, "vocab": vocab, "steps": steps,
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "executor_again_ms_per_step": round(1000 * again / steps, 3),
                           "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}), flush=True)
