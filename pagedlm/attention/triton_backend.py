@@ -75,5 +75,5 @@ class TritonBackend(Planned):
         q = bounds[1] - bounds[0]
         if not all(b - a == q for a, b in zip(bounds, bounds[1:])):
             return False
-        splits = sum(map(paged_attention.row_splits, step.seq_lens_host))
-        return q > 1 or splits <= paged_attention.pool_partials(len(step.seq_ids), self._pool_tokens(store))
+        return q > 1 or (sum(map(paged_attention.row_splits, step.seq_lens_host))
+                         <= paged_attention.pool_partials(len(step.seq_ids), self._pool_tokens(store)))
