@@ -31,7 +31,8 @@ so a later process on the same model and torch reuses it.
 Which steps it runs: every row decodes one token and samples, at most
 ``MAX_ROWS`` rows (a step with a prompt chunk or a speculative verify row
 runs eagerly). Float32 logits equal the eager step's within 1e-4 (the fused
-loops sum in another order); quantized ones differ a little more, since the
+loops sum in another order; the residual adds stay out of the products,
+``ResidualOutsideGemm``); quantized ones differ a little more, since the
 int8 loop reads float32 activations where the kernel rounds them to
 bfloat16 (``tests/weights/test_compiled_models.py``).
 """
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx.experimental._config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from pagedlm.attention.sdpa import attend_rows
 from pagedlm.cache.step import StepBatch
@@ -134,8 +136,40 @@ def use_cache_dir() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+class ResidualOutsideGemm(CustomGraphPass):
+    """Undo inductor's CPU fusion of a residual add into the product before
+    it, ``x + a @ w`` -> ``addmm(x, a, w)``, where ``x`` has the product's
+    whole shape (a residual stream; a bias vector stays fused). With our
+    K-major weights MKL accumulates into ``x``, rounding partial sums at the
+    residual's magnitude: SmolLM2's residual stream holds values near 3.8e3
+    (a float32 ulp of 2.4e-4 there). One [1, 1536] x [1536, 576] product
+    onto a residual of that size is 2e-2 from float64 fused against 5e-4
+    unfused, and the fused step's logits were 3-8x further from a float64
+    run than the eager step's (up to 2.6e-4 against 3.3e-5; AMD EPYC, 2
+    threads). Unfused, the add joins the norm's loop after it, as inductor
+    does on the GPU (``should_prefer_unfused_addmm``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        aten = torch.ops.aten
+        for node in graph.find_nodes(op="call_function", target=aten.addmm.default):
+            x, a, b = node.args
+            if node.kwargs or x.meta["val"].shape != node.meta["val"].shape:
+                continue
+            with graph.inserting_before(node):
+                product = graph.call_function(aten.mm.default, (a, b))
+                total = graph.call_function(aten.add.Tensor, (x, product))
+            product.meta["val"] = aten.mm.default(a.meta["val"], b.meta["val"])
+            total.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(total)
+            graph.erase_node(node)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
 def inductor_options(model: torch.nn.Module) -> dict:
-    """Quantized weights: every pointwise result becomes a buffer. A one-row
+    """The residual adds stay out of the products (``ResidualOutsideGemm``).
+    Quantized weights: every pointwise result becomes a buffer. A one-row
     int8 product in the graph is a reduction over the codes
     (``QuantizedWeight.linear``), and inductor would otherwise recompute the
     norm or activation that feeds it once per output row (measured on SmolLM2,
@@ -143,7 +177,8 @@ def inductor_options(model: torch.nn.Module) -> dict:
     1.32x). A float32 step's products are library calls that read buffers
     anyway, and there the same setting costs 3% (1.17 -> 0.97x): left alone."""
     quantized = any(isinstance(m, QuantizedWeight) for m in model.modules())
-    return {"realize_opcount_threshold": 0} if quantized else {}
+    options = {"post_grad_custom_post_pass": ResidualOutsideGemm()}
+    return (options | {"realize_opcount_threshold": 0}) if quantized else options
 
 
 class CompiledDecode:

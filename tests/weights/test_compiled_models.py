@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from pagedlm.batch.compiled import inductor_options
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.batch.solo import Solo
 from pagedlm.loading import load
@@ -64,6 +65,18 @@ def test_compiled_float32_decode_gives_eager_tokens_and_logits_without_recompili
     for step, (a, b) in enumerate(zip(compiled, eager)):
         assert int(a.argmax()) == int(b.argmax()) == tokens[step + 1]
         assert (a - b).abs().max().item() <= 1e-4, step
+
+
+def test_a_compiled_residual_add_rounds_once_after_its_product():
+    """Inductor would fold ``x + a @ w`` into ``addmm(x, a, w)``, and MKL then
+    rounds the K-major product's partial sums at the residual's magnitude
+    (2.9e-2 off here; ``ResidualOutsideGemm``): the compiled sum is the eager one."""
+    torch.manual_seed(0)
+    x, a, w = torch.randn(1, 576) * 4e3, torch.randn(1, 1536), torch.randn(1536, 576) * 0.05  # w K-major
+    residual_add = lambda x, a, w: x + a @ w  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(residual_add, dynamic=False, options=inductor_options(torch.nn.Linear(1, 1)))
+    assert torch.equal(compiled(x, a, w), residual_add(x, a, w))
 
 
 def test_compiled_quantized_gemma_agrees_with_eager_except_at_near_ties():
