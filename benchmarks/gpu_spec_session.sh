@@ -33,6 +33,7 @@ if has mask; then
   LIB=/tmp/pylib; mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB
   for pair in "qwen3-0.6b smollm2-tok" "gemma3-270m gemma-tok"; do
     set -- $pair; dir=/tmp/mask-$1; mkdir -p "$dir"
+    [ -d "$CARRY/$2" ] || { echo "mask: $1 skipped, .carry/$2 not carried" >>"$OUT/bench.err"; continue; }
     cp "$NOW/$M/$1/config.json" "$CARRY/$2"/tokenizer*.json "$dir/"
     bench mask.jsonl 200 throughput --random-weights --model "$dir" --device cuda \
       --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3
