@@ -6,6 +6,11 @@ workload: nano-vllm's 256 prompts (Qwen3-0.6B shape) through ``LLM.generate``,
 its wall time split into decode steps that replay a graph, steps that run
 eagerly (prompt chunks), and within them the host parts.
 
+ASYNC=1|0 in the environment turns async scheduling on or off (default: the
+device's default, on). Under it the host waits for the GPU in ``land`` (the
+step before's tokens), not in ``sample``; each engine step's time is then
+the host's own work plus whatever wait is left.
+
 Usage (repository root, GPU machine):
     PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]      # batch 1
     PYTHONPATH=. python3 benchmarks/gpu_profile.py --workload
@@ -13,6 +18,7 @@ Usage (repository root, GPU machine):
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -27,6 +33,7 @@ from pagedlm.options import EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
+ASYNC = None if os.environ.get("ASYNC") is None else os.environ["ASYNC"] == "1"
 
 
 def timed(fn, parts, name):
@@ -41,7 +48,8 @@ def timed(fn, parts, name):
 def profile(config: str) -> None:
     model, tok = load_random(str(ROOT / "configs" / config), "cuda", torch.bfloat16)
     engine = LLMEngine(model, tok, EngineOptions(paged_kv=PagedKvOptions(16), kv_budget_bytes=8 << 30,
-                                                 max_model_len=4096, attention_backend="triton"))
+                                                 max_model_len=4096, attention_backend="triton",
+                                                 async_scheduling=ASYNC))
     g = engine.graphs.graphs[1][0]
     for _ in range(10):
         g.replay()
@@ -59,13 +67,15 @@ def profile(config: str) -> None:
     engine.graphs.run = timed(engine.graphs.run, parts, "graph_run (copies + replay launch)")
     engine_mod.sample = timed(engine_mod.sample, parts, "sample (waits for the GPU)")
     engine._append = timed(engine._append, parts, "append")
+    engine._land = timed(engine._land, parts, "land (waits for the step before; async)")
     ids = torch.randint(0, model.args.vocab_size, (512,)).tolist()
     for _ in range(2):
         steps = []
         for out in engine.stream(ids, SamplingParams(max_tokens=128, ignore_eos=True)):
             steps.append(time.perf_counter())
     step_ms = statistics.median([b - a for a, b in zip(steps[1:], steps[2:])]) * 1e3
-    print(f"{config}: graph replay {replay_ms:.3f} ms; engine step {step_ms:.3f} ms")
+    print(f"{config}: graph replay {replay_ms:.3f} ms; engine step {step_ms:.3f} ms; "
+          f"async scheduling {engine.async_scheduling}")
     for name, xs in parts.items():
         print(f"    {name:40s} {statistics.median(xs[-100:]) * 1e3:.3f} ms")
 
@@ -77,7 +87,7 @@ def workload() -> None:
     model, tok = load_random(str(ROOT / "configs" / "qwen3-0.6b"), "cuda", torch.bfloat16)
     work = make_workload(256, 100, 1024, 0, model.args.vocab_size)
     llm = LLM(model, tokenizer=tok, paged_kv=True, block_size=16, attention_backend="triton",
-              gpu_memory_fraction=0.5)
+              gpu_memory_fraction=0.5, async_scheduling=ASYNC)
     engine = llm.engine
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm-up
@@ -86,6 +96,7 @@ def workload() -> None:
     engine_mod.prepare_step = timed(engine_mod.prepare_step, parts, "prepare_step")
     engine_mod.sample = timed(engine_mod.sample, parts, "sample (waits for the GPU)")
     engine._append = timed(engine._append, parts, "append (per row)")
+    engine._land = timed(engine._land, parts, "land (waits for the step before, appends; async)")
     can_run = engine.graphs.can_run
     step = engine.step
     kinds: dict[str, list[float]] = {"graph": [], "eager": []}
@@ -109,7 +120,8 @@ def workload() -> None:
     outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"workload: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+    print(f"workload: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s; "
+          f"async scheduling {engine.async_scheduling}")
     for k, xs in kinds.items():
         print(f"    {k:10s} steps {len(xs):5d}  total {sum(xs):7.3f} s  median {statistics.median(xs) * 1e3:.3f} ms")
     for name, xs in parts.items():

@@ -6,7 +6,10 @@
 #   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
 #           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by llguidance thread count
-#   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults)
+#   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
+#           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
+#   ab      the 256-prompt workload with --async-scheduling and --no-async-scheduling, interleaved, ROUNDS rounds
+#   profile benchmarks/gpu_profile.py (batch 1 on two shapes, and --workload) with ASYNC=0 then ASYNC=1
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
 # of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).
@@ -45,9 +48,24 @@ if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask
     2>>"$OUT/bench.err" | tee "$OUT/mask_fill.jsonl"
 fi
 if has decode; then
-  for cfg in gemma3-270m qwen3-0.6b llama-3.1-8b; do
+  for cfg in ${SHAPES:-gemma3-270m qwen3-0.6b llama-3.1-8b}; do
     bench decode.jsonl 200 decode --random-weights --model $M/$cfg --device cuda --prompt-len 512 \
-      --gen-len 128 --repeats 3 --against hf
+      --gen-len 128 --repeats 3 ${AGAINST---against hf} ${DECODE_FLAGS:-}
+  done
+fi
+if has ab; then
+  for round in $(seq "${ROUNDS:-2}"); do
+    for flag in --async-scheduling --no-async-scheduling; do
+      bench ab.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
+        --min-len 100 --max-len 1024 --seed 0 --stores paged $flag ${AB_FLAGS:-}
+    done
+  done
+fi
+if has profile; then
+  for a in 0 1; do
+    (cd "$NOW" && ASYNC=$a PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py qwen3-0.6b gemma3-270m \
+      && ASYNC=$a PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py --workload) 2>>"$OUT/bench.err" \
+      | tee -a "$OUT/profile.txt"
   done
 fi
 if has hf; then

@@ -362,6 +362,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "run without --compile",
     ),
     Refusal(
+        "asynchronous scheduling with speculative decoding",
+        lambda s: s.get("async_scheduling") is True and s.get("speculative") is not None,
+        "--async-scheduling schedules a step before the last one's tokens are known; --speculative needs "
+        "them to propose: give one (with --speculative the default is --no-async-scheduling)",
+    ),
+    Refusal(
+        "asynchronous scheduling with tensor parallelism",
+        lambda s: s.get("async_scheduling") is True and s.get("tensor_parallel_size", 1) > 1,
+        "--async-scheduling runs one process's steps; --tensor-parallel-size N > 1 schedules synchronously",
+    ),
+    Refusal(
         "KV quantization without paging",
         lambda s: s.get("kv_quant", "none") != "none" and not s.get("paged_kv"),
         "--kv-quant quantizes the paged store's blocks; it needs --paged-kv (or PAGEDLM_PAGED_KV=1; the default on CUDA)",
@@ -434,6 +445,7 @@ class EngineOptions:
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     enforce_eager: bool = False  # CUDA: never capture the decode step as a graph
     compile: bool = False  # CPU: the decode step as torch.compile graphs (batch/compiled.py)
+    async_scheduling: bool | None = None  # schedule step N+1 while step N runs (None: the device's default)
     kv_quant: str = "none"  # paged store: none, int8 or fp8 blocks (cache/kv_quant.py)
     tensor_parallel_size: int = 1  # ranks the model is split across (pagedlm.parallel)
     distributed_backend: str | None = None  # DISTRIBUTED_BACKENDS; None: nccl on CUDA, gloo on the CPU
@@ -447,9 +459,23 @@ class EngineOptions:
 # Device defaults: a CPU step is compute-bound well before 512 tokens; a GPU
 # step wants thousands of tokens and hundreds of rows to fill the device.
 DEVICE_DEFAULTS = {
-    "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_budget_bytes": 2 * 1024**3},
-    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_fraction": 0.9},
+    "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_budget_bytes": 2 * 1024**3,
+            "async_scheduling": False},
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_fraction": 0.9,
+             "async_scheduling": True},
 }
+
+
+def async_scheduling_on(options: EngineOptions, device: str) -> bool:
+    """Whether an engine on ``device`` (its type) schedules asynchronously:
+    the flag, else the device's default (on for CUDA, where the host's step
+    then overlaps the device's; off on the CPU, where one processor does
+    both), which speculative decoding and tensor parallelism turn off (they
+    are refused beside an explicit ``--async-scheduling``)."""
+    if options.async_scheduling is not None:
+        return options.async_scheduling
+    return (DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cpu"])["async_scheduling"]
+            and options.speculative is None and options.tensor_parallel_size == 1)
 
 
 @dataclass(frozen=True)
@@ -516,6 +542,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("compile", "PAGEDLM_COMPILE", _switch("PAGEDLM_COMPILE"),
          "CPU: run decode steps of up to 32 rows as compiled graphs (torch.compile; built when the engine "
          "starts, 30-50 s the first time, 6-13 s once cached in ~/.cache/pagedlm/inductor; default off)", switch=True),
+    Flag("async_scheduling", "PAGEDLM_ASYNC_SCHEDULING", _switch("PAGEDLM_ASYNC_SCHEDULING"),
+         "schedule and launch each step before the previous step's tokens reach the host, so the host's "
+         "work overlaps the device's (vLLM's async scheduling; default on for CUDA, off on the CPU)",
+         switch=True),
     Flag("max_model_len", "PAGEDLM_MAX_MODEL_LEN", lambda t: positive_int(t, "--max-model-len"),
          "context length limit (prompt + max_tokens; default: the model's)"),
     Flag("kv_quant", KV_QUANT_ENV, check_kv_quant,

@@ -111,6 +111,23 @@ class TokenRules:
             self._tensors[key] = torch.tensor(values, dtype=dtype, device=device)
         return self._tensors[key]
 
+    def static(self) -> bool:
+        """Its rules do not change with the output (no bad_words, no min_tokens)."""
+        return not self.bad_words and not self.min_tokens
+
+    def mask(self, width: int, device: torch.device) -> torch.Tensor:
+        """float32 ``[width]``: 0 for the tokens it permits (bias and the step's
+        own bans aside), -inf for the rest; once per width and device."""
+        key = (f"mask{width}", device)
+        if key not in self._tensors:
+            mask = torch.zeros(width, dtype=torch.float32)
+            if self.allowed is not None:
+                mask.fill_(float("-inf"))[sorted(self.allowed)] = 0.0
+            if self.banned:
+                mask[sorted(self.banned)] = float("-inf")
+            self._tensors[key] = mask.to(device)
+        return self._tensors[key]
+
     def apply(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
         """One row's float32 logits ``[V]`` under these rules."""
         device, ninf = logits.device, float("-inf")
@@ -266,6 +283,29 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
     for i in rows:
         if tokens[i] is None:
             tokens[i] = sample_row(logits[i], seqs[i])
+
+
+def picks_on_device(seq: "Sequence") -> bool:
+    """Whether `pick_on_device` gives the row's token as `sample` would: a
+    greedy, unpenalized, unbiased row without a grammar, whose rules do not
+    change with its output (async scheduling launches the next step with
+    such a row's token before the host knows it)."""
+    return shares_argmax(seq) and seq.matcher is None and (seq.rules is None or seq.rules.static())
+
+
+def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
+    """The tokens of rows that `picks_on_device`, ``[B]`` on the logits' device,
+    with no wait for them: each row's argmax among the tokens its rules permit.
+    The same token `sample` picks: the argmax is the permitted maximum there
+    too (its first index, where several tie)."""
+    rules = [seq.rules for seq in seqs]
+    if all(r is None for r in rules):
+        return logits.argmax(-1)
+    width, device = logits.shape[-1], logits.device
+    if all(r is rules[0] for r in rules):
+        return (logits + rules[0].mask(width, device)).argmax(-1)
+    keep_all = torch.zeros(width, device=device)
+    return (logits + torch.stack([keep_all if r is None else r.mask(width, device) for r in rules])).argmax(-1)
 
 
 def shares_argmax(seq: "Sequence") -> bool:

@@ -45,8 +45,9 @@ def select_backend(name: str, device: torch.device | str, *, paged: bool) -> Att
 def describe_store(engine) -> str:
     """What stores and attends for ``engine`` (an ``LLMEngine``), in one line."""
     paged = engine.options.paged_kv
+    overlap = ", async scheduling" if engine.async_scheduling else ""
     if not engine.paged_kv:
-        return "per-row KV caches (paging off), attention torch"
+        return f"per-row KV caches (paging off), attention torch{overlap}"
     graphs = ", decode replayed as CUDA graphs" if engine.graphs is not None else ""
     return (f"paged KV in {paged.block_size}-token blocks (prefix caching {'on' if paged.prefix_caching else 'off'}, "
-            f"KV {engine.options.kv_quant}), attention {engine.attention_backend}{graphs}")
+            f"KV {engine.options.kv_quant}), attention {engine.attention_backend}{graphs}{overlap}")

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from pagedlm.cache.kv import causal_mask
-from pagedlm.cache.step import StepBatch
+from pagedlm.cache.step import StepBatch, to_device
 
 
 class Planned:
@@ -48,7 +48,7 @@ class StepPlan:
     def decode_tokens(self) -> torch.Tensor:
         """Where the decode rows' queries lie in the step."""
         bounds = self.step.query_start_host
-        return torch.tensor([bounds[r] for r in self.decode], dtype=torch.long, device=self.device)
+        return to_device([bounds[r] for r in self.decode], torch.long, self.device)
 
     @functools.cached_property
     def query_start(self) -> torch.Tensor:
@@ -56,7 +56,7 @@ class StepPlan:
         (int32, on the device: the multi-query kernel finds its rows there)."""
         if self.step.query_start is not None:
             return self.step.query_start
-        return torch.tensor(self.step.query_start_host, dtype=torch.int32, device=self.step.seq_lens.device)
+        return to_device(self.step.query_start_host, torch.int32, self.step.seq_lens.device)
 
     @functools.cached_property
     def decode_tables(self) -> torch.Tensor:
@@ -70,7 +70,7 @@ class StepPlan:
 
     @functools.cached_property
     def _decode_rows(self) -> torch.Tensor:
-        return torch.tensor(self.decode, dtype=torch.long, device=self.step.seq_lens.device)
+        return to_device(self.decode, torch.long, self.step.seq_lens.device)
 
     def causal(self, row: int, n: int, seq_len: int, window: int | None = None) -> torch.Tensor:
         """A prompt chunk's causal mask (bounded by a sliding ``window``),
@@ -86,6 +86,6 @@ class StepPlan:
         if all(n == longest for n in lengths):
             return None
         if lengths not in self._masks:
-            lens = torch.tensor(lengths, device=self.device)
+            lens = to_device(lengths, torch.long, self.device)
             self._masks[lengths] = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
         return self._masks[lengths]

@@ -29,14 +29,15 @@ from pagedlm.cache.layout import kv_bytes, make_pools, model_share, plan_layout
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore
 from pagedlm.options import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, EngineOptions, OptionError,
-                             check_refusals)
+                             async_scheduling_on, check_refusals)
 from pagedlm.params import SamplingParams
-from pagedlm.sampling import logprobs_of, ranks_of, sample, shares_argmax, token_rules
+from pagedlm.sampling import (logprobs_of, pick_on_device, picks_on_device, ranks_of, sample, shares_argmax,
+                              token_rules)
 from pagedlm.speculative import NgramProposer, SpecStats, verify
 
 from .graphs import capture_graphs
 from .scheduler import Scheduler
-from .sequence import Sequence, TokenLogprob
+from .sequence import PENDING, Sequence, SequenceStatus, TokenLogprob
 from .step import prepare_step
 
 if TYPE_CHECKING:
@@ -95,6 +96,18 @@ class CacheStats:
     prefix_hit_tokens: int
 
 
+@dataclass
+class InFlight:
+    """A step launched under async scheduling whose tokens the host has not
+    read yet: the next step feeds them to its rows from the device."""
+
+    sampled: list[Sequence]  # the sequences it samples, in order
+    index: dict[int, int]  # sequence id -> its token's place in ``tokens``
+    tokens: torch.Tensor  # [S] on the device
+    host: torch.Tensor  # [S] their copy to the host, done once ``ready`` is
+    ready: "torch.cuda.Event | None"
+
+
 # Verify steps of up to this many rows replay graphs (larger ones run eagerly): the graphs hold
 # every token's logits, 256 rows of 1 + 8 tokens over Gemma 3's 262,144 would be 1.2 GB of bf16.
 MAX_VERIFY_GRAPH_ROWS = 64
@@ -127,7 +140,8 @@ class LLMEngine:
                         "compile": options.compile, "enforce_eager": options.enforce_eager,
                         "paged_kv": options.paged_kv is not None, "speculative": options.speculative,
                         "num_speculative_tokens": options.num_speculative_tokens, "ngram_min": options.ngram_min,
-                        "ngram_max": options.ngram_max,
+                        "ngram_max": options.ngram_max, "async_scheduling": options.async_scheduling,
+                        "tensor_parallel_size": options.tensor_parallel_size,
                         "draft_model": options.draft_model or (draft is not None and "the module given") or None})
         if kind == "cuda":
             keep_sdpa_deterministic()
@@ -192,6 +206,9 @@ class LLMEngine:
         # Grammar rows' next masks filled on a background thread as each step ends, overlapping the
         # host's next step and the device's forward pass (on the CPU the forward takes every core).
         self.prefetch_masks = kind == "cuda"
+        # Async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host.
+        self.async_scheduling = async_scheduling_on(options, kind)
+        self._inflight: InFlight | None = None
 
     def _proposer(self, draft: torch.nn.Module | None):
         """The ``--speculative`` proposer: prompt lookup, or the draft model's."""
@@ -242,13 +259,16 @@ class LLMEngine:
         return self._grammars
 
     def abort(self, seq: Sequence) -> None:
-        """End ``seq`` now and free what it holds (call between steps)."""
+        """End ``seq`` now and free what it holds (call between steps); a
+        token of it still on its way is dropped."""
         if not seq.is_finished and self.proposer is not None:
             self.proposer.release(seq.seq_id)
+        if not seq.is_finished and seq.pending:
+            seq.output_ids.pop()
         self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """Raise `OptionError` (`RequestTooLarge`) unless a sequence of
@@ -272,18 +292,33 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[GenerationResponse]:
+        """Run one step; the responses of the sequences that moved.
+
+        Async scheduling (``options.async_scheduling``): when every row that
+        samples can take its token on the device (`picks_on_device`, no
+        logprobs), the step is launched and left in flight; the next call
+        schedules and launches its successor, which feeds those tokens from
+        the device, and only then reads them and answers for them. So the
+        host's scheduling, input preparation and text overlap the device's
+        step, and a sequence ends one step after the one that sampled its
+        last token (a row that step gave it is computed and discarded; one
+        that ends by max_tokens is not scheduled again). The tokens are the
+        same as without it."""
+        inflight, self._inflight = self._inflight, None
         if self.proposer is not None:
             self._propose()
         rows = self.scheduler.schedule()
         if not rows:
-            return []
+            return self._land(inflight, {}) if inflight is not None else []
         now = time.perf_counter()
         for seq, _ in rows:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
-        step = prepare_step(rows, self.device, self.blocks)
+        step = prepare_step(rows, self.device, self.blocks,
+                            None if inflight is None else (inflight.index, inflight.tokens))
         sampled = [rows[r][0] for r in step.sampling_rows]
-        logits = None
+        overlap = self.async_scheduling and self._may_overlap(rows, sampled)
+        logits = launched = None
         with torch.inference_mode():
             replay = next((g for g in (self.graphs, self.verify_graphs) if g is not None and g.can_run(step)), None)
             if replay is not None:  # every row decodes, or verifies k proposed tokens: nothing to score
@@ -295,12 +330,85 @@ class LLMEngine:
                         self._score_prompt(seq, n, hidden[step.query_start_host[r] : step.query_start_host[r + 1]])
                 if sampled:
                     logits = self.model.compute_logits(hidden[step.logits_rows]).float()
-            emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
-        self.store.end_step()
-        self._steps += 1
+            if overlap and sampled:
+                launched = self._launch(logits, sampled)
+            self.store.end_step()
+            self._steps += 1
+            outputs = self._land(inflight, dict(rows)) if inflight is not None else []
+            if overlap:
+                self._advance(rows, sampled)
+                self._inflight = launched
+            else:
+                emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
+                outputs += self._settle(rows, sampled, emitted, first, logits)
+        if self._grammars is not None and self.prefetch_masks:
+            self._prefetch_masks()
+        return outputs
+
+    def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
+        """The step may be left in flight: its tokens are picked on the device
+        and nothing reads its logits or hidden states afterwards."""
+        return (all(seq.prompt_logprobs is None for seq, _ in rows)
+                and all(picks_on_device(seq) and seq.params.logprobs is None and seq.params.max_tokens > 0
+                        for seq in sampled))
+
+    def _launch(self, logits: torch.Tensor, sampled: list[Sequence]) -> InFlight:
+        """Pick the step's tokens on the device and start their copy to the host."""
+        tokens = pick_on_device(logits, sampled)
+        ready = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = tokens
+        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready)
+
+    def _advance(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> None:
+        """After launching an overlapped step: its rows' keys count as computed,
+        and each sampling row's token is `PENDING` until the next step lands it."""
+        for seq, n in rows:
+            if not seq.is_finished:  # (one the last step ended counted this step's keys already)
+                seq.num_computed += n
+                self.admission.commit(seq)  # before PENDING joins the tokens: blocks hash real tokens only
+        for seq in sampled:
+            if not seq.is_finished:
+                seq.output_ids.append(PENDING)
+
+    def _land(self, inflight: InFlight, current: dict[Sequence, int]) -> list[GenerationResponse]:
+        """Read an in-flight step's tokens and answer for them. A sequence
+        they end that has a row in the ``current`` step (launched since, with
+        a row per sequence) counts that row's keys as computed before its
+        storage is released: they are its tokens', and the step in flight
+        writes them before anything after it can reuse the storage."""
+        if inflight.ready is not None:
+            inflight.ready.synchronize()
+        outputs = []
+        for seq, token in zip(inflight.sampled, inflight.host.tolist()):
+            if seq.is_finished:  # aborted since
+                continue
+            seq.output_ids.pop()  # PENDING
+            outputs.append(self._append(seq, token, None))
+        for out in outputs:
+            if out.finish_reason is not None:
+                seq = out.seq
+                if seq in current and seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed += current[seq]
+                    self.admission.commit(seq)
+                self.scheduler.finish(seq, out.finish_reason)
+        return outputs
+
+    def _settle(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence], emitted: list, first: list[int],
+                logits: torch.Tensor | None) -> list[GenerationResponse]:
+        """A step run synchronously: append each sampled row's tokens, drop a
+        verify row's rejected keys, count the rows' keys, end what ended.
+        Rows of sequences that ended before (an in-flight step landed) are skipped."""
         outputs: list[GenerationResponse] = []
         kept = {}  # verify rows: tokens fed whose keys stay
         for i, seq in enumerate(sampled):
+            if seq.is_finished:
+                continue
             if emitted[i] is None:  # its grammar dead-ends (the matcher logged why)
                 outputs.append(self._end_without_token(seq, "error"))
                 continue
@@ -318,6 +426,8 @@ class LLMEngine:
                 kept[seq.seq_id] = j + 1  # the last token and the accepted proposals the output holds now
                 self._count_verified(seq, len(emitted[i]) - 1, j + 1)
         for seq, n in rows:
+            if seq.is_finished:
+                continue
             if seq.seq_id in kept:  # a verify row: drop the rejected tail's keys
                 rejected = n - kept[seq.seq_id]
                 n -= rejected
@@ -333,8 +443,6 @@ class LLMEngine:
                 self.scheduler.finish(out.seq, out.finish_reason)
                 if self.proposer is not None:
                     self.proposer.release(out.seq.seq_id)
-        if self._grammars is not None and self.prefetch_masks:
-            self._prefetch_masks()
         return outputs
 
     def _prefetch_masks(self) -> None:

@@ -104,7 +104,8 @@ class Scheduler:
         cap = self.long_prefill_token_threshold if self.waiting else self.max_num_batched_tokens
         decoding, prefilling = [], []
         for seq in self.running:
-            (decoding if seq.num_tokens - seq.num_computed == 1 else prefilling).append(seq)
+            if not seq.ends_when_known:  # (async scheduling: its last token is on its way)
+                (decoding if seq.num_tokens - seq.num_computed == 1 else prefilling).append(seq)
         first_prompt_row = None  # rows before it decode (one token each)
         for seq in decoding + prefilling:  # passes 1 and 2
             if self._budget == 0:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-k)
 
+# Async scheduling: the output's last entry while its token is sampled on the
+# device and not yet known to the host (the next step feeds it from there).
+PENDING = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -128,6 +132,16 @@ class Sequence:
         if begin >= p:
             return self.output_ids[begin - p : end - p] + ahead
         return self.prompt_ids[begin:end] + self.output_ids[: max(0, end - p)] + ahead
+
+    @property
+    def pending(self) -> bool:
+        """Its last token is sampled on the device, not yet known here (async scheduling)."""
+        return bool(self.output_ids) and self.output_ids[-1] == PENDING
+
+    @property
+    def ends_when_known(self) -> bool:
+        """Its pending token is its last (max_tokens): no step feeds it."""
+        return self.pending and len(self.output_ids) >= self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:

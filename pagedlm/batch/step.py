@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedlm.cache.step import StepBatch
+from pagedlm.cache.step import StepBatch, to_device
+
+from .sequence import PENDING
 
 if TYPE_CHECKING:
     from pagedlm.cache.blocks import BlockManager
@@ -21,6 +23,7 @@ def prepare_step(
     rows: list[tuple["Sequence", int]],
     device: torch.device,
     blocks: "BlockManager | None" = None,
+    feed: "tuple[dict[int, int], torch.Tensor] | None" = None,
 ) -> StepBatch:
     """The step for ``rows``: (sequence, number of new tokens) in row order;
     with ``blocks`` (the paged store) their block tables and slot mapping.
@@ -30,6 +33,12 @@ def prepare_step(
     A verify row (a decode row that also feeds its sequence's ``draft``)
     needs the logits of its last token and of every proposed one: its
     ``logits_rows`` are those ``1 + d`` positions, in order.
+
+    Async scheduling: a decode row whose token the last step sampled and the
+    host does not know yet (`PENDING`) is fed from ``feed``: (the row of
+    each such sequence in the last step's tokens, those tokens on the
+    device). Nothing here waits for the device: the inputs leave pinned
+    memory on the current stream, and the fed tokens are gathered there.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -37,9 +46,14 @@ def prepare_step(
     lens: list[int] = []
     sampling: list[int] = []
     logits_rows: list[int] = []
+    fed_at: list[int] = []  # positions in the step fed from the last step's tokens,
+    fed_from: list[int] = []  # and which of them
     for r, (seq, n) in enumerate(rows):
         begin = seq.num_computed
         ids += seq.new_tokens(n)
+        if ids[-1] == PENDING:
+            fed_at.append(len(ids) - 1)
+            fed_from.append(feed[0][seq.seq_id])
         positions += range(begin, begin + n)
         starts.append(starts[-1] + n)
         lens.append(begin + n)
@@ -47,7 +61,7 @@ def prepare_step(
             sampling.append(r)
             logits_rows += range(starts[r] + seq.num_tokens - 1 - begin, starts[r + 1])
     # Everything the device needs goes over in one copy, then is cut apart.
-    parts = [ids, positions, lens, logits_rows]
+    parts = [ids, positions, lens, logits_rows, fed_at, fed_from]
     width = 0
     if blocks is not None:
         tables = [blocks.tables[seq.seq_id] for seq, _ in rows]
@@ -60,8 +74,10 @@ def prepare_step(
         bs = blocks.block_size
         parts += [padded[row_of, pos // bs] * bs + pos % bs, padded.reshape(-1)]
     sizes = [len(p) for p in parts]
-    packed = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).to(device)
-    input_ids, positions_t, seq_lens, logits_rows, *paged = packed.split(sizes)
+    packed = to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), torch.long, device)
+    input_ids, positions_t, seq_lens, logits_rows, at, src, *paged = packed.split(sizes)
+    if fed_at:
+        input_ids.index_copy_(0, at, feed[1].index_select(0, src))
     return StepBatch(
         input_ids=input_ids,
         positions=positions_t,

@@ -273,7 +273,8 @@ def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:
             engines[name] = ours(models[name], tokenizer, options, work, device)
             engine = engines[name].llm.engine
             ran[name] = {"attention_backend": engine.attention_backend,
-                         "kv_capacity_bytes": engine.kv_usage().capacity}
+                         "kv_capacity_bytes": engine.kv_usage().capacity,
+                         "async_scheduling": engine.async_scheduling}
             limits = hf_limits(engine, device)
             del engine  # on CUDA the pool goes with engines[name], below
             if device.startswith("cuda"):
@@ -335,7 +336,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
                "block_size": options.paged_kv.block_size if options.paged_kv else None,
                "attention_backend": ran[name]["attention_backend"],
                "kv_quant": options.kv_quant, "quantization": name if name in opt.QUANTIZATIONS else "none",
-               "compiled": options.compile, "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
+               "compiled": options.compile, "async_scheduling": ran[name]["async_scheduling"], "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "total_tok_s": round((base["input_tokens"] + r.output_tokens) / r.seconds, 2),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],

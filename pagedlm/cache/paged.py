@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from pagedlm.cache import kv_quant as kvq
+from pagedlm.cache.step import to_device
 from pagedlm.kernels.paged_attention import write_kv
 
 
@@ -139,8 +140,7 @@ class PagedPools:
         """Copy blocks ``src[i]`` onto ``dst[i]`` in every layer, scales too
         (copy-on-write: a sequence about to write into a block others read
         gets its own copy)."""
-        s = torch.tensor(src, dtype=torch.long, device=next(iter(self.k.values())).device)
-        d = s.new_tensor(dst)
+        s, d = to_device([src, dst], torch.long, next(iter(self.k.values())).device)
         for pools in (self.k, self.v, self.k_scale, self.v_scale):
             for pool in pools.values():
                 raw = kvq.as_bytes(pool) if pool.element_size() == 1 else pool  # index_copy_ has no float8 kernels
