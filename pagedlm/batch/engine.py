@@ -15,6 +15,8 @@ through here.
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -25,7 +27,7 @@ from pagedlm.attention import select_backend
 from pagedlm.attention.sdpa import keep_sdpa_deterministic
 from pagedlm.cache.admission import BlockAdmission, ByteAdmission
 from pagedlm.cache.blocks import BlockManager
-from pagedlm.cache.layout import kv_bytes, make_pools, model_share, plan_layout
+from pagedlm.cache.layout import PoolTooSmall, kv_bytes, make_pools, model_share, plan_layout
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore
 from pagedlm.options import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, EngineOptions, OptionError,
@@ -166,10 +168,21 @@ class LLMEngine:
                 draft = load(options.draft_model, str(self.device), self.dtype)[0]
             sizing = model_share(options, self.device, self.dtype, model.kv_spec(), draft.kv_spec(),
                                  in_place=backend.in_place)
+        plan = functools.partial(plan_layout, model.kv_spec(), sizing, self.device, self.dtype,
+                                 in_place=backend.in_place, identity=identity)
         try:
-            self.layout = layout = plan_layout(model.kv_spec(), sizing, self.device, self.dtype,
-                                               in_place=backend.in_place, identity=identity,
-                                               max_model_len=self.max_model_len)
+            try:
+                self.layout = layout = plan(max_model_len=self.max_model_len)
+            except PoolTooSmall as e:
+                if options.max_model_len is not None or e.tokens == 0:  # the user's length: refused with the numbers
+                    raise
+                # The model's context was only the default: lower it to what the pools hold (vLLM refuses;
+                # a bench or server on a smaller GPU then runs with default flags).
+                print(f"pagedlm: max_model_len lowered from the model's {self.max_model_len} to {e.tokens} "
+                      f"tokens, what the KV budget holds (--max-model-len or --kv-budget-bytes to choose)",
+                      file=sys.stderr, flush=True)
+                self.max_model_len = e.tokens
+                self.layout = layout = plan(max_model_len=self.max_model_len)
         except OptionError as e:
             if sizing is options:
                 raise

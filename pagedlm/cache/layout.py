@@ -58,6 +58,14 @@ class KVLayout:
     kv_quant: str
 
 
+class PoolTooSmall(OptionError):
+    """The pools hold less than one sequence of max_model_len: ``tokens``, what they hold."""
+
+    def __init__(self, message: str, tokens: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
 def plan_layout(specs: Sequence[KVSpec], options: EngineOptions, device: torch.device | str, dtype: torch.dtype,
                 *, in_place: bool, identity: str, max_model_len: int) -> KVLayout:
     """The layout of an engine over a model with these ``specs``. ``in_place``:
@@ -82,10 +90,10 @@ def plan_layout(specs: Sequence[KVSpec], options: EngineOptions, device: torch.d
         num_blocks = budget // per_block
         need = -(-max_model_len // bs)
         if num_blocks < need:
-            raise OptionError(
+            raise PoolTooSmall(
                 f"the KV budget ({budget} bytes) holds {num_blocks} blocks of {bs} tokens, "
                 f"fewer than one sequence of max_model_len {max_model_len} needs ({need}); "
-                f"raise --kv-budget-bytes or lower --max-model-len")
+                f"raise --kv-budget-bytes or lower --max-model-len", num_blocks * bs)
     paged = frozenset(i for i in pooled if specs[i].window is None or in_place)
     return KVLayout(
         specs=specs,

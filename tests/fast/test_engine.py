@@ -241,7 +241,21 @@ def test_requests_that_can_never_fit_are_refused_when_added(tiny):
 def test_a_budget_smaller_than_one_max_length_sequence_is_refused_at_startup(tiny):
     family, model, tok = tiny
     with pytest.raises(OptionError, match="fewer than one sequence of max_model_len"):
-        LLMEngine(model, tok, paged(4, budget=1 << 12))
+        LLMEngine(model, tok, paged(4, budget=block_bytes(model, 4) - 1))  # not one block
+    with pytest.raises(OptionError, match="fewer than one sequence of max_model_len 512 needs"):
+        LLMEngine(model, tok, paged(4, budget=block_bytes(model, 4) * 20, max_model_len=512))  # asked for
+
+
+def test_a_default_max_model_len_past_the_budget_is_lowered_to_what_fits(tiny, capsys):
+    """The model's context (512 here) was not asked for: the engine starts with
+    what the pools hold, says so in one line, and refuses longer requests."""
+    family, model, tok = tiny
+    engine = LLMEngine(model, tok, paged(4, budget=block_bytes(model, 4) * 20))
+    assert engine.max_model_len == 80 == engine.blocks.num_blocks * 4
+    assert "max_model_len lowered from the model's 512 to 80 tokens" in capsys.readouterr().err
+    with pytest.raises(OptionError, match=r"exceeds max_model_len \(80\)"):
+        engine.add_request(prompts(1, seed=1, lo=70, hi=70)[0], SamplingParams(max_tokens=20))
+    assert run_all(engine, prompts(2, seed=2, lo=20, hi=30), SamplingParams(max_tokens=8, ignore_eos=True))
 
 
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor)
