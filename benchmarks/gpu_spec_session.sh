@@ -49,7 +49,7 @@ if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask
 fi
 if has decode; then
   for cfg in ${SHAPES:-gemma3-270m qwen3-0.6b llama-3.1-8b}; do
-    bench decode.jsonl 200 decode --random-weights --model $M/$cfg --device cuda --prompt-len 512 \
+    bench decode.jsonl ${DECODE_LIMIT:-200} decode --random-weights --model $M/$cfg --device cuda --prompt-len 512 \
       --gen-len 128 --repeats 3 ${AGAINST---against hf} ${DECODE_FLAGS:-}
   done
 fi
