@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for CUDA (Triton): RMSNorm, RMSNorm + RoPE, gated activation.
+"""Fused elementwise kernels for CUDA (Triton): RMSNorm (alone, or after the
+residual add), RMSNorm + RoPE (q's and k's heads in one launch), gated activation.
 
 A decode step of a small model is a chain of tiny kernels; under a CUDA
 graph the launches are free but every kernel still costs its few
@@ -49,10 +50,34 @@ if triton is not None:
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _norm_rope_kernel(X, W, Cos, Sin, Out, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-                          eps, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, D: tl.constexpr):
+    def _add_rms_norm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
+                             UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+        """``s = x + r`` stored (rounded to Sum's dtype, as torch's add stores
+        it), then `_rms_norm_kernel`'s norm of that rounded ``s``."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(R + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+        s = _round(x + r, Sum.dtype.element_ty)
+        tl.store(Sum + row * stride_s + offs, s.to(Sum.dtype.element_ty), mask=m)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        h = s * tl.math.rsqrt(tl.math.div_rn(tl.sum(s * s, 0), n * 1.0) + eps)
+        if UNIT_OFFSET:
+            y = h * (w + 1.0)
+        else:
+            y = w * _round(h, Out.dtype.element_ty)
+        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _norm_rope_kernel(X, W, W2, Cos, Sin, Out, Out2, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+                          stride_o2t, stride_o2h, heads_first, eps,
+                          NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, D: tl.constexpr):
+        """Heads below ``heads_first`` (q) take W and go to Out, the rest (k) W2 and Out2."""
         t = tl.program_id(0)
         h = tl.program_id(1)
+        is_k = h >= heads_first
+        h_out = tl.where(is_k, h - heads_first, h)
         d = tl.arange(0, D)
         rolled = (d + D // 2) % D  # x.roll(D // 2)[d] = x[d - D/2] = x[(d + D/2) % D]
         base = X + t * stride_xt + h * stride_xh
@@ -60,8 +85,8 @@ if triton is not None:
         xr = tl.load(base + rolled).to(tl.float32)
         if NORM:
             scale = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)
-            w = tl.load(W + d).to(tl.float32)
-            wr = tl.load(W + rolled).to(tl.float32)
+            w = tl.where(is_k, tl.load(W2 + d), tl.load(W + d)).to(tl.float32)
+            wr = tl.where(is_k, tl.load(W2 + rolled), tl.load(W + rolled)).to(tl.float32)
             if UNIT_OFFSET:
                 x = _round(x * scale * (w + 1.0), Out.dtype.element_ty)
                 xr = _round(xr * scale * (wr + 1.0), Out.dtype.element_ty)
@@ -71,7 +96,9 @@ if triton is not None:
         cos = tl.load(Cos + t * stride_ct + d).to(tl.float32)
         sin = tl.load(Sin + t * stride_ct + d).to(tl.float32)
         y = _round(x * cos, Out.dtype.element_ty) + _round(xr * sin, Out.dtype.element_ty)
-        tl.store(Out + t * stride_ot + h * stride_oh + d, y.to(Out.dtype.element_ty))
+        y = y.to(Out.dtype.element_ty)
+        tl.store(Out + t * stride_ot + h_out * stride_oh + d, y, mask=d < tl.where(is_k, 0, D))
+        tl.store(Out2 + t * stride_o2t + h_out * stride_o2h + d, y, mask=d < tl.where(is_k, D, 0))
 
     @triton.jit
     def _tanh(x):
@@ -110,21 +137,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return out.view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` and ``models.layers.RMSNorm``'s norm of it, one
+    kernel: (the norm, ``s``), each bit for bit what the add and `rms_norm`
+    give (``s`` is rounded to the dtype before the norm reads it, as the add
+    stores it)."""
+    n = x.shape[-1]
+    rows, res = x.reshape(-1, n), residual.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out)
+    if rows.shape[0]:
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0),
+                                               out.stride(0), total.stride(0), n, eps,
+                                               UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape), total.view(x.shape)
+
+
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
               eps: float = 0.0, unit_offset: bool = False) -> torch.Tensor:
     """``apply_rope(RMSNorm(x), (cos, sin))`` per head (the norm optional):
     ``x`` ``[T, H, D]`` (heads and dims contiguous within a token), ``cos``
     and ``sin`` ``[T, 1, D]``; a new contiguous ``[T, H, D]``."""
+    return qk_norm_rope(x, x.shape[1], cos, sin, weight, weight, eps, unit_offset)[0]
+
+
+def qk_norm_rope(x: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tensor,
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rope` of q and k in one launch: ``x`` ``[T, Hq + Hkv, D]`` holds
+    q's heads then k's (as the fused q/k/v product lays them out), the first
+    ``num_q`` normed by ``q_weight``, the rest by ``k_weight`` (both or
+    neither); new contiguous q ``[T, Hq, D]`` and k ``[T, Hkv, D]``."""
     T, H, D = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
     cos, sin = cos.reshape(T, D), sin.reshape(T, D)
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    q = torch.empty((T, num_q, D), dtype=x.dtype, device=x.device)
+    k = torch.empty((T, H - num_q, D), dtype=x.dtype, device=x.device)
     if T:
-        _norm_rope_kernel[(T, H)](x, weight if weight is not None else x, cos, sin, out,
-                                  x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1), eps,
-                                  NORM=weight is not None, UNIT_OFFSET=unit_offset, D=D)
-    return out
+        norm = q_weight is not None
+        _norm_rope_kernel[(T, H)](x, q_weight if norm else x, k_weight if norm else x, cos, sin, q, k,
+                                  x.stride(0), x.stride(1), cos.stride(0), q.stride(0), q.stride(1),
+                                  k.stride(0), k.stride(1), num_q, eps,
+                                  NORM=norm, UNIT_OFFSET=unit_offset, D=D)
+    return q, k
 
 
 def act_mul(x: torch.Tensor, activation: str) -> torch.Tensor:

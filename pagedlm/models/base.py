@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from pagedlm.cache.spec import KVSpec
 from pagedlm.cache.step import StepBatch
-from pagedlm.models.layers import Embedding, Linear, RMSNorm, RoPE, fuse_projections, norm_rope
+from pagedlm.models.layers import Embedding, Linear, RMSNorm, RoPE, fuse_projections, qk_norm_rope
 
 
 class KVAccess(Protocol):
@@ -136,9 +136,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor], kv: KVAccess,
                 step: StepBatch) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
-        q = norm_rope(q, rope_rows, self.q_norm)
-        k = norm_rope(k, rope_rows, self.k_norm)
+        qk, v = self.qkv_proj(x).view(T, -1, self.head_dim).split((self.n_heads + self.n_kv_heads, self.n_kv_heads), 1)
+        q, k = qk_norm_rope(qk, self.n_heads, rope_rows, self.q_norm, self.k_norm)
         kv.write(self.layer, k, v, step)
         out = kv.attend(self.layer, q, step, scale=self.scale)
         return self.o_proj(out.reshape(T, -1))

@@ -35,6 +35,14 @@ class RMSNorm(nn.Module):
         # scalars on any device. mean() is sum().div_(n) inside torch.
         self._n, self._eps, self._one = (torch.tensor(v, dtype=torch.float32, device="cpu") for v in (dim, eps, 1.0))
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual`` and this norm of it: (the norm, ``s``); one
+        kernel on CUDA (``kernels.fused.add_rms_norm``, the same bits)."""
+        if fused.enabled(x):
+            return fused.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+        s = x + residual
+        return self(s), s
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps, self.unit_offset)
@@ -126,6 +134,17 @@ def apply_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torc
     """Rotate ``x`` ``[T, H, D]`` by the rows ``RoPE.rows`` looked up for its tokens."""
     cos, sin = rows
     return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * sin)
+
+
+def qk_norm_rope(qk: torch.Tensor, num_q: int, rows: tuple[torch.Tensor, torch.Tensor],
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rope` of q and k, whose heads ``qk`` ``[T, Hq + Hkv, D]`` holds in
+    that order (``num_q`` of q): one kernel for both on CUDA."""
+    if fused.enabled(qk):
+        if q_norm is None:
+            return fused.qk_norm_rope(qk, num_q, *rows)
+        return fused.qk_norm_rope(qk, num_q, *rows, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
+    return norm_rope(qk[:, :num_q], rows, q_norm), norm_rope(qk[:, num_q:], rows, k_norm)
 
 
 def norm_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], norm: "RMSNorm | None" = None) -> torch.Tensor:

@@ -65,8 +65,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor], kv: KVAccess,
                 step: StepBatch) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope_rows, kv, step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(x), rope_rows, kv, step), x)
+        return h + self.mlp(normed)
 
 
 class Model(DecoderLM):

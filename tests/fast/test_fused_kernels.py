@@ -73,3 +73,42 @@ def test_act_mul_matches_act_times_up(activation, dtype):
     act = ACTIVATIONS[activation]
     want = act(gate) * up
     assert close(fused.act_mul(x, activation).cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(unit_offset, dtype):
+    """One kernel for ``x + residual`` and the norm of it: the sum and the norm
+    are exactly what the add and `rms_norm` give (the sum rounded to the dtype
+    before the norm reads it), and match the module's torch ops."""
+    dim = 640
+    weight = torch.randn(dim, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    x, residual = randn(5, dim, dtype=dtype, seed=1), randn(5, dim, dtype=dtype, seed=2)
+    normed, total = fused.add_rms_norm(x, residual, weight, 1e-6, unit_offset)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, fused.rms_norm(x + residual, weight, 1e-6, unit_offset))
+    norm = RMSNorm(dim, 1e-6, unit_offset=unit_offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight.cpu())
+    want_normed, want_total = norm.add(x.cpu(), residual.cpu())  # the CPU's ops
+    assert torch.equal(total.cpu(), want_total) and close(normed.cpu(), want_normed, dtype)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_norm_rope_is_two_norm_ropes_bit_for_bit(with_norm, dtype):
+    """q's and k's heads in one launch, each with its own norm weights: the
+    same bits as `norm_rope` of each (and k not normed by q's weights)."""
+    T, Hq, Hkv, D = 5, 4, 2, 64
+    qkv = randn(T, Hq + 2 * Hkv, D, dtype=dtype, seed=4)
+    qk = qkv[:, : Hq + Hkv]
+    wq, wk = (torch.randn(D, generator=torch.Generator().manual_seed(s)).to(dtype).to(DEVICE) for s in (5, 6))
+    cos, sin = (t.to(DEVICE) for t in RoPE(D, 10000.0).rows(torch.tensor([0, 3, 17, 400, 401]), 401, dtype))
+    norms = (wq, wk, 1e-6, False) if with_norm else ()
+    q, k = fused.qk_norm_rope(qk, Hq, cos, sin, *norms)
+    assert q.shape == (T, Hq, D) and k.shape == (T, Hkv, D) and q.is_contiguous() and k.is_contiguous()
+    want_q = fused.norm_rope(qk[:, :Hq], cos, sin, *((wq, 1e-6, False) if with_norm else ()))
+    want_k = fused.norm_rope(qk[:, Hq:], cos, sin, *((wk, 1e-6, False) if with_norm else ()))
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    if with_norm:
+        assert not torch.equal(k, fused.norm_rope(qk[:, Hq:], cos, sin, wq, 1e-6, False))
