@@ -286,26 +286,74 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
 
 
 def picks_on_device(seq: "Sequence") -> bool:
-    """Whether `pick_on_device` gives the row's token as `sample` would: a
-    greedy, unpenalized, unbiased row without a grammar, whose rules do not
-    change with its output (async scheduling launches the next step with
-    such a row's token before the host knows it)."""
-    return shares_argmax(seq) and seq.matcher is None and (seq.rules is None or seq.rules.static())
+    """Whether `pick_on_device` can take the row's token: an unpenalized,
+    unbiased row without a grammar, whose rules do not change with its
+    output, and that is greedy (the token `sample` picks) or samples without
+    a seed (from the same distribution, drawn on the device; a seeded row
+    draws on its CPU generator, so that a seed means the same everywhere).
+    Async scheduling launches the next step with such a row's token before
+    the host knows it."""
+    return (not _penalized(seq) and (seq.rules is None or (not seq.rules.bias and seq.rules.static()))
+            and seq.matcher is None and (seq.generator is None or seq.params.seed is None))
 
 
 def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
     """The tokens of rows that `picks_on_device`, ``[B]`` on the logits' device,
-    with no wait for them: each row's argmax among the tokens its rules permit.
-    The same token `sample` picks: the argmax is the permitted maximum there
-    too (its first index, where several tie)."""
+    with no wait for them. A greedy row's is its argmax among the tokens its
+    rules permit: the token `sample` picks (the permitted maximum there too,
+    its first index where several tie). A sampled row's is drawn on the
+    device (`_draw`) from the distribution `sample_row` draws from."""
     rules = [seq.rules for seq in seqs]
-    if all(r is None for r in rules):
-        return logits.argmax(-1)
     width, device = logits.shape[-1], logits.device
-    if all(r is rules[0] for r in rules):
-        return (logits + rules[0].mask(width, device)).argmax(-1)
-    keep_all = torch.zeros(width, device=device)
-    return (logits + torch.stack([keep_all if r is None else r.mask(width, device) for r in rules])).argmax(-1)
+    if any(r is not None for r in rules):
+        if all(r is rules[0] for r in rules):
+            logits = logits + rules[0].mask(width, device)
+        else:
+            keep_all = torch.zeros(width, device=device)
+            logits = logits + torch.stack([keep_all if r is None else r.mask(width, device) for r in rules])
+    greedy = logits.argmax(-1)
+    drawn = [i for i, seq in enumerate(seqs) if seq.generator is not None]
+    if not drawn:
+        return greedy
+    from pagedlm.cache.step import to_device
+
+    rows = to_device(drawn, torch.long, device)
+    params = [seqs[i].params for i in drawn]
+    knobs = to_device([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], torch.float32, device)
+    return greedy.index_copy(0, rows, _draw(logits.index_select(0, rows), knobs, vocab_limits=[
+        0 < p.top_k < width for p in params], top_p=any(p.top_p < 1.0 for p in params),
+        min_p=any(p.min_p > 0.0 for p in params)))
+
+
+def _draw(logits: torch.Tensor, knobs: torch.Tensor, vocab_limits: list[bool], top_p: bool,
+          min_p: bool) -> torch.Tensor:
+    """One token a row of float32 ``logits`` ``[B, V]`` (rules applied), with
+    ``knobs`` ``[B, 4]`` = temperature, top_k, top_p, min_p: `sample_row`'s
+    steps for all rows at once (finite logits, the best shifted to 0 and
+    divided by the temperature, top-k, top-p, softmax, min-p), then the draw:
+    the argmax of ``probs / E`` with E exponential (what ``torch.multinomial``
+    does for one sample), from the device's generator."""
+    finite = torch.finfo(logits.dtype).max
+    logits = logits.nan_to_num(nan=-finite, posinf=finite, neginf=-finite)
+    temperature, top_k, top_p_values, min_p_values = knobs.unbind(-1)
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature[:, None]
+    if any(vocab_limits) or top_p:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        if any(vocab_limits):  # a row's k-th best and everything tied with it stay (as sample_row's topk)
+            k = torch.where(top_k > 0, top_k, logits.shape[-1]).long().clamp(max=logits.shape[-1])
+            kth = ordered.gather(-1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        if top_p:
+            probs = torch.softmax(ordered, dim=-1)
+            keep_all = torch.full_like(top_p_values, float("inf"))  # a row without top-p keeps its tail
+            drop = (probs.cumsum(-1) - probs) >= torch.where(top_p_values < 1.0, top_p_values, keep_all)[:, None]
+            drop[:, 0] = False
+            logits = torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    if min_p:
+        probs = probs.masked_fill(probs < min_p_values[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
 def shares_argmax(seq: "Sequence") -> bool:

@@ -308,8 +308,9 @@ class LLMEngine:
         """Run one step; the responses of the sequences that moved.
 
         Async scheduling (``options.async_scheduling``): when every row that
-        samples can take its token on the device (`picks_on_device`, no
-        logprobs), the step is launched and left in flight; the next call
+        samples can take its token on the device (`picks_on_device`: greedy,
+        or unseeded sampling drawn there; no logprobs), the step is launched
+        and left in flight; the next call
         schedules and launches its successor, which feeds those tokens from
         the device, and only then reads them and answers for them. So the
         host's scheduling, input preparation and text overlap the device's

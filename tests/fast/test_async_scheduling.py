@@ -120,14 +120,84 @@ def test_rows_that_need_the_host_run_synchronously_beside_greedy_ones(tiny):
     assert set(outs[1][-1].output_ids) <= allowed
 
 
-def test_only_greedy_static_rows_pick_on_the_device():
+def test_only_greedy_or_unseeded_static_rows_pick_on_the_device():
     model, tok = tiny_model("llama"), CharTokenizer()
     engine = LLMEngine(model, tok, EngineOptions(async_scheduling=True))
     ids = prompts(1, seed=3)[0]
     on = lambda **kw: picks_on_device(engine.add_request(ids, SamplingParams(**kw))[0])  # noqa: E731
     assert on() and on(allowed_token_ids=[5, 6]) and on(stop=["x"])
-    assert not on(temperature=0.5) and not on(repetition_penalty=1.1) and not on(logit_bias={5: 1.0})
+    assert on(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1)  # unseeded: drawn on the device
+    assert not on(temperature=0.5, seed=1)  # a seed draws on the row's CPU generator
+    assert not on(repetition_penalty=1.1) and not on(logit_bias={5: 1.0})
     assert not on(min_tokens=2) and not on(presence_penalty=0.5)
+
+
+def _reference_probs(logits: torch.Tensor, params: SamplingParams, rules) -> torch.Tensor:
+    """What `sample_row` draws from, by its own steps (its multinomial's input)."""
+    from pagedlm import sampling
+
+    p = params
+    if rules is not None:
+        logits = rules.apply(logits, [])
+    finite = torch.finfo(logits.dtype).max
+    logits = logits.nan_to_num(nan=-finite, posinf=finite, neginf=-finite)
+    logits = (logits - logits.max()) / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        logits = sampling._top_p(logits, p.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=0.7), dict(temperature=1.3, top_k=12),
+                                   dict(temperature=0.9, top_p=0.8), dict(temperature=1.0, min_p=0.05),
+                                   dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02)])
+def test_device_draws_follow_the_samplers_distribution(knobs):
+    """Unseeded sampled rows draw on the device under async scheduling: over
+    6,000 draws (rows of one batch, beside a greedy row and a row of other
+    knobs), no token outside the support `sample_row` keeps, and the counts
+    fit its probabilities (chi-square, fixed seed)."""
+    torch.manual_seed(0)
+    vocab, n = 64, 6000
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 2
+    rules = TokenRules(banned={0, 5}, allowed=None)
+    params = SamplingParams(**knobs)
+
+    class Row:
+        def __init__(self, p, r=None):
+            self.params, self.rules, self.matcher, self.output_ids, self.tokens = p, r, None, [], []
+            self.generator = None if p.temperature == 0 else torch.Generator()
+
+    rows = [Row(params, rules) for _ in range(n)] + [Row(SamplingParams()), Row(SamplingParams(temperature=2.0, top_k=3))]
+    assert all(picks_on_device(r) for r in rows)
+    logits = base.expand(len(rows), vocab).clone()
+    drawn = pick_on_device(logits, rows)
+    assert drawn[n] == base.argmax()  # the greedy row beside them
+    want = _reference_probs(base.clone(), params, rules)
+    counts = torch.bincount(drawn[:n], minlength=vocab).double()
+    assert counts[want == 0].sum() == 0  # never outside the support
+    assert set(drawn[n + 1 :].tolist()) <= set(base.topk(3).indices.tolist())
+    keep = want * n >= 5
+    expected = want[keep].double() * n
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~6 sigma: a wrong rule fails by far more
+
+
+def test_unseeded_sampled_rows_overlap_and_keep_their_rules():
+    model, tok = tiny_model("llama"), CharTokenizer()
+    engine = LLMEngine(model, tok, paged(4, async_scheduling=True))
+    allowed = list(range(40, 60))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_p=0.9, allowed_token_ids=allowed)
+    overlapped = []
+    seqs = run_all(engine, prompts(5, seed=50), params, check=lambda e: overlapped.append(e._inflight is not None))
+    assert any(overlapped)
+    assert all(len(s.output_ids) == 12 and set(s.output_ids) <= set(allowed) for s in seqs)
+    assert len({tuple(s.output_ids) for s in seqs}) > 1  # drawn, not greedy
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_pick_on_device_is_the_samplers_pick_including_ties_and_bans():
