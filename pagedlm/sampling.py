@@ -18,9 +18,12 @@ while fewer than ``min_tokens`` are out) go to -inf. Then penalties
 (repetition, CTRL-style; presence and frequency, OpenAI-style, over the
 generated tokens), then temperature, top-k, top-p, min-p, in the order
 Hugging Face applies them, so that a request means the same here as there.
-Greedy rows take the argmax. Sampled rows draw with their sequence's own
-seeded CPU generator, so a seed gives the same tokens whatever shares the
-batch.
+Greedy rows take the argmax. Seeded rows draw with their sequence's own
+CPU generator, so a seed gives the same tokens whatever shares the batch
+and on any device. Unseeded rows (no penalties, bias or rules that change
+with the output) draw from the same distribution all at once on the
+logits' device (`pick_on_device`), in the step or, under async
+scheduling, before the host sees the token; others row by row.
 
 Special tokens are not text, and by default no row samples one: a special
 token (`Tokenizer.special_token_ids`: control tokens such as ``<bos>``,
@@ -272,7 +275,8 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
 def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range", tokens: list[int | None]) -> None:
     """Sample ``rows`` (of ``logits`` and ``seqs``) into ``tokens``. Rows that
     are greedy, unpenalized and unbiased share one argmax, kept where their
-    rules permit it; the rest go row by row."""
+    rules permit it; unseeded sampled rows with static rules draw together
+    (`pick_on_device`); the rest go row by row."""
     shared = [i for i in rows if shares_argmax(seqs[i])]
     if shared:
         best = torch.argmax(logits if len(shared) == len(seqs) else logits[shared], dim=-1).tolist()
@@ -280,6 +284,10 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
             rules = seqs[i].rules
             if rules is None or rules.permits(t, seqs[i].output_ids):
                 tokens[i] = t
+    drawn = [i for i in rows if seqs[i].generator is not None and picks_on_device(seqs[i])]
+    if drawn:  # unseeded: all at once, on the logits' device (as async scheduling draws them)
+        for i, t in zip(drawn, pick_on_device(logits[drawn], [seqs[i] for i in drawn]).tolist()):
+            tokens[i] = t
     for i in rows:
         if tokens[i] is None:
             tokens[i] = sample_row(logits[i], seqs[i])
