@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
 
+from pagedlm.kernels.copies import to_device
 from pagedlm.options import OptionError
 from pagedlm.params import SamplingParams, check_token_ids
 
@@ -323,8 +324,6 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor
     drawn = [i for i, seq in enumerate(seqs) if seq.generator is not None]
     if not drawn:
         return greedy
-    from pagedlm.cache.step import to_device
-
     rows = to_device(drawn, torch.long, device)
     params = [seqs[i].params for i in drawn]
     knobs = to_device([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], torch.float32, device)

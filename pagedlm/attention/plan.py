@@ -12,7 +12,8 @@ import functools
 import torch
 
 from pagedlm.cache.kv import causal_mask
-from pagedlm.cache.step import StepBatch, to_device
+from pagedlm.cache.step import StepBatch
+from pagedlm.kernels.copies import to_device
 
 
 class Planned:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedlm.cache.step import StepBatch, to_device
+from pagedlm.cache.step import StepBatch
+from pagedlm.kernels.copies import to_device
 
 from .sequence import PENDING
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from pagedlm.cache import kv_quant as kvq
-from pagedlm.cache.step import to_device
+from pagedlm.kernels.copies import to_device
 from pagedlm.kernels.paged_attention import write_kv
 
 
