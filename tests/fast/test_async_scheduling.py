@@ -305,3 +305,24 @@ def test_the_flag_its_defaults_and_refusals():
     with pytest.raises(UnsupportedOption, match="--tensor-parallel-size"):
         check_refusals({"async_scheduling": True, "tensor_parallel_size": 2})
     assert LLMEngine(_LLAMA, CharTokenizer()).async_scheduling is False  # the CPU's default
+
+
+def test_n_continuations_sharing_their_prompt_blocks_match_the_synchronous_engine():
+    """``n`` sequences over one prompt share its blocks (copy-on-write at the
+    first write into a shared block), some ending early on a stop token:
+    the async engine's outputs are the synchronous engine's, and every block
+    comes back."""
+    model, tok = tiny_model("llama"), CharTokenizer()
+    ids = prompts(1, seed=60, lo=18, hi=18)[0]
+    free = run_all(LLMEngine(model, tok, paged(4)), [ids], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=10, n=3, stop_token_ids=[free.output_ids[6]])
+    outs = []
+    for on in (False, True):
+        engine = LLMEngine(model, tok, paged(4, async_scheduling=on))
+        seqs = engine.add_request(ids, params, request_id="r") + engine.add_request(ids[:9], params, request_id="s")
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        outs.append(seqs)
+    _same(*outs)
+    assert outs[1][0].finish_reason == "stop"
