@@ -35,37 +35,23 @@ if triton is not None:
         return x.to(DTYPE).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Out, stride_x, stride_o, n, eps,
-                         UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
+                         ADD: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+        """The norm of row ``x``; with ADD, of ``s = x + r`` (stored, rounded to
+        Sum's dtype as torch's add stores it, and normed as rounded)."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < n
         x = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if ADD:
+            r = tl.load(R + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+            x = _round(x + r, Sum.dtype.element_ty)
+            tl.store(Sum + row * stride_s + offs, x.to(Sum.dtype.element_ty), mask=m)
         w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
         h = x * tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), n * 1.0) + eps)
         if UNIT_OFFSET:  # Gemma: (h * (1 + w)) in float32, then the cast
             y = h * (w + 1.0)
         else:  # Llama: w * h.to(dtype), a product of two rounded values
-            y = w * _round(h, Out.dtype.element_ty)
-        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _add_rms_norm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
-                             UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
-        """``s = x + r`` stored (rounded to Sum's dtype, as torch's add stores
-        it), then `_rms_norm_kernel`'s norm of that rounded ``s``."""
-        row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(R + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
-        s = _round(x + r, Sum.dtype.element_ty)
-        tl.store(Sum + row * stride_s + offs, s.to(Sum.dtype.element_ty), mask=m)
-        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-        h = s * tl.math.rsqrt(tl.math.div_rn(tl.sum(s * s, 0), n * 1.0) + eps)
-        if UNIT_OFFSET:
-            y = h * (w + 1.0)
-        else:
             y = w * _round(h, Out.dtype.element_ty)
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
 
@@ -124,38 +110,28 @@ def enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """``models.layers.RMSNorm`` over the last dimension, one kernel."""
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as rows over its last dimension, that dimension contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``models.layers.RMSNorm`` over the last dimension, one kernel. With a
+    ``residual``: the norm of ``s = x + residual`` and ``s`` itself, each bit
+    for bit what the add and the norm alone give (``s`` is rounded to the
+    dtype before the norm reads it, as the add stores it)."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
+    res = rows if residual is None else _rows(residual)
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    total = out if residual is None else torch.empty_like(out)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
+        _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0),
+                                           out.stride(0), total.stride(0), n, eps, ADD=residual is not None,
                                            UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n))
-    return out.view(x.shape)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + residual`` and ``models.layers.RMSNorm``'s norm of it, one
-    kernel: (the norm, ``s``), each bit for bit what the add and `rms_norm`
-    give (``s`` is rounded to the dtype before the norm reads it, as the add
-    stores it)."""
-    n = x.shape[-1]
-    rows, res = x.reshape(-1, n), residual.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if res.stride(-1) != 1:
-        res = res.contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    total = torch.empty_like(out)
-    if rows.shape[0]:
-        _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0),
-                                               out.stride(0), total.stride(0), n, eps,
-                                               UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n))
-    return out.view(x.shape), total.view(x.shape)
+    return out.view(x.shape) if residual is None else (out.view(x.shape), total.view(x.shape))
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,

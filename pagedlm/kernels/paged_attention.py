@@ -138,7 +138,7 @@ if triton is not None:
         for c in range(0, b, ROWS):
             rows = c + tl.arange(0, ROWS)
             lens = tl.load(SeqLens + rows, mask=rows < b, other=0)
-            total += tl.sum((lens + SPLIT - 1) // SPLIT).to(tl.int32)  # int32 like the loop start (the lengths are int64)
+            total += tl.sum((lens + SPLIT - 1) // SPLIT).to(tl.int32)  # the lengths are int64: keep int32
         return total
 
     @triton.jit

@@ -37,9 +37,9 @@ class RMSNorm(nn.Module):
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``s = x + residual`` and this norm of it: (the norm, ``s``); one
-        kernel on CUDA (``kernels.fused.add_rms_norm``, the same bits)."""
+        kernel on CUDA (``kernels.fused.rms_norm`` with a residual, the same bits)."""
         if fused.enabled(x):
-            return fused.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            return fused.rms_norm(x, self.weight, self.eps, self.unit_offset, residual)
         s = x + residual
         return self(s), s
 

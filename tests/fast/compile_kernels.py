@@ -61,10 +61,10 @@ def cases():
                                     INT8=fmt == "int8"), 4)
     bf16 = "*bf16"
     for unit in (False, True):
-        yield (f"rms_norm, unit_offset={unit}", fused._rms_norm_kernel, {"X": bf16, "W": bf16, "Out": bf16},
-               dict(UNIT_OFFSET=unit, BLOCK=1024), 4)
-        yield (f"add_rms_norm, unit_offset={unit}", fused._add_rms_norm_kernel,
-               {"X": bf16, "R": bf16, "W": bf16, "Out": bf16, "Sum": bf16}, dict(UNIT_OFFSET=unit, BLOCK=1024), 4)
+        for add in (False, True):
+            yield (f"rms_norm, add={add}, unit_offset={unit}", fused._rms_norm_kernel,
+                   {"X": bf16, "R": bf16, "W": bf16, "Out": bf16, "Sum": bf16},
+                   dict(ADD=add, UNIT_OFFSET=unit, BLOCK=1024), 4)
     for norm in (False, True):
         yield (f"norm_rope, norm={norm}", fused._norm_rope_kernel,
                {n: bf16 for n in ("X", "W", "W2", "Cos", "Sin", "Out", "Out2")},

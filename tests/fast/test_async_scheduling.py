@@ -105,9 +105,8 @@ def test_rows_that_need_the_host_run_synchronously_beside_greedy_ones(tiny):
              SamplingParams(max_tokens=10, ignore_eos=True, allowed_token_ids=rng.sample(range(2, 256), 12))]
     batch = prompts(len(kinds), seed=31)
     base = paged(4, max_num_batched_tokens=24)
-    sync_engine, async_engine = LLMEngine(model, tok, _options(base, False)), LLMEngine(model, tok, _options(base, True))
     outs = []
-    for engine in (sync_engine, async_engine):
+    for engine in (LLMEngine(model, tok, _options(base, False)), LLMEngine(model, tok, _options(base, True))):
         seqs = []
         for ids, params in zip(batch, kinds):
             seqs += engine.add_request(ids, params)
@@ -171,7 +170,8 @@ def test_device_draws_follow_the_samplers_distribution(knobs):
             self.params, self.rules, self.matcher, self.output_ids, self.tokens = p, r, None, [], []
             self.generator = None if p.temperature == 0 else torch.Generator()
 
-    rows = [Row(params, rules) for _ in range(n)] + [Row(SamplingParams()), Row(SamplingParams(temperature=2.0, top_k=3))]
+    rows = [Row(params, rules) for _ in range(n)]
+    rows += [Row(SamplingParams()), Row(SamplingParams(temperature=2.0, top_k=3))]
     assert all(picks_on_device(r) for r in rows)
     logits = base.expand(len(rows), vocab).clone()
     drawn = pick_on_device(logits, rows)

@@ -77,14 +77,14 @@ def test_act_mul_matches_act_times_up(activation, dtype):
 
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(unit_offset, dtype):
+def test_rms_norm_with_a_residual_is_the_add_then_the_norm_bit_for_bit(unit_offset, dtype):
     """One kernel for ``x + residual`` and the norm of it: the sum and the norm
     are exactly what the add and `rms_norm` give (the sum rounded to the dtype
     before the norm reads it), and match the module's torch ops."""
     dim = 640
     weight = torch.randn(dim, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     x, residual = randn(5, dim, dtype=dtype, seed=1), randn(5, dim, dtype=dtype, seed=2)
-    normed, total = fused.add_rms_norm(x, residual, weight, 1e-6, unit_offset)
+    normed, total = fused.rms_norm(x, weight, 1e-6, unit_offset, residual)
     assert torch.equal(total, x + residual)
     assert torch.equal(normed, fused.rms_norm(x + residual, weight, 1e-6, unit_offset))
     norm = RMSNorm(dim, 1e-6, unit_offset=unit_offset).to(dtype)
