@@ -210,16 +210,6 @@ def apply_penalties(logits: torch.Tensor, seq: "Sequence") -> torch.Tensor:
     return logits
 
 
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches top_p (the best always)."""
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    drop = (probs.cumsum(-1) - probs) >= top_p
-    drop[0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(0, order, sorted_logits)
-
-
 def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     """Next token of one row from its float32 logits ``[V]``: its rules, its
     penalties, then the argmax or its draw; None for a constrained row whose
@@ -234,17 +224,7 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     logits = apply_penalties(logits, seq)
     if seq.generator is None:
         return int(torch.argmax(logits))
-    finite = torch.finfo(logits.dtype).max
-    logits = logits.nan_to_num(nan=-finite, posinf=finite, neginf=-finite)
-    logits = (logits - logits.max()) / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        logits = _top_p(logits, p.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    probs = _probs(logits[None], [p], logits.device)[0]
     return int(torch.multinomial(probs.to("cpu", torch.float32), 1, generator=seq.generator))
 
 
@@ -311,7 +291,7 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor
     with no wait for them. A greedy row's is its argmax among the tokens its
     rules permit: the token `sample` picks (the permitted maximum there too,
     its first index where several tie). A sampled row's is drawn on the
-    device (`_draw`) from the distribution `sample_row` draws from."""
+    device from the distribution `sample_row` draws from (`_probs`)."""
     rules = [seq.rules for seq in seqs]
     width, device = logits.shape[-1], logits.device
     if any(r is not None for r in rules):
@@ -325,42 +305,36 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor
     if not drawn:
         return greedy
     rows = to_device(drawn, torch.long, device)
-    params = [seqs[i].params for i in drawn]
-    knobs = to_device([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], torch.float32, device)
-    return greedy.index_copy(0, rows, _draw(logits.index_select(0, rows), knobs, vocab_limits=[
-        0 < p.top_k < width for p in params], top_p=any(p.top_p < 1.0 for p in params),
-        min_p=any(p.min_p > 0.0 for p in params)))
+    probs = _probs(logits.index_select(0, rows), [seqs[i].params for i in drawn], device)
+    # torch.multinomial's own rule for one sample, on the device's generator: the argmax of probs / E, E ~ Exp(1)
+    return greedy.index_copy(0, rows, (probs / torch.empty_like(probs).exponential_()).argmax(-1))
 
 
-def _draw(logits: torch.Tensor, knobs: torch.Tensor, vocab_limits: list[bool], top_p: bool,
-          min_p: bool) -> torch.Tensor:
-    """One token a row of float32 ``logits`` ``[B, V]`` (rules applied), with
-    ``knobs`` ``[B, 4]`` = temperature, top_k, top_p, min_p: `sample_row`'s
-    steps for all rows at once (finite logits, the best shifted to 0 and
-    divided by the temperature, top-k, top-p, softmax, min-p), then the draw:
-    the argmax of ``probs / E`` with E exponential (what ``torch.multinomial``
-    does for one sample), from the device's generator."""
+def _probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """What sampled rows draw from: float32 ``logits`` ``[B, V]`` (rules and
+    penalties applied) made finite, the best shifted to 0 and divided by the
+    row's temperature, then its top-k (the k-th best and all tied with it
+    kept), top-p (the smallest set reaching p, the best always), softmax,
+    min-p; for all rows at once."""
+    width = logits.shape[-1]
     finite = torch.finfo(logits.dtype).max
     logits = logits.nan_to_num(nan=-finite, posinf=finite, neginf=-finite)
-    temperature, top_k, top_p_values, min_p_values = knobs.unbind(-1)
+    knobs = to_device([[p.temperature, p.top_k if 0 < p.top_k < width else width, p.top_p if p.top_p < 1.0
+                        else float("inf"), p.min_p] for p in params], torch.float32, device)
+    temperature, top_k, top_p, min_p = knobs.unbind(-1)
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature[:, None]
-    if any(vocab_limits) or top_p:
+    if any(0 < p.top_k < width or p.top_p < 1.0 for p in params):
         ordered, order = torch.sort(logits, dim=-1, descending=True)
-        if any(vocab_limits):  # a row's k-th best and everything tied with it stay (as sample_row's topk)
-            k = torch.where(top_k > 0, top_k, logits.shape[-1]).long().clamp(max=logits.shape[-1])
-            kth = ordered.gather(-1, (k - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-            ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-        if top_p:
-            probs = torch.softmax(ordered, dim=-1)
-            keep_all = torch.full_like(top_p_values, float("inf"))  # a row without top-p keeps its tail
-            drop = (probs.cumsum(-1) - probs) >= torch.where(top_p_values < 1.0, top_p_values, keep_all)[:, None]
-            drop[:, 0] = False
-            logits = torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
+        kth = ordered.gather(-1, (top_k.long() - 1)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+        probs = torch.softmax(ordered, dim=-1)
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]  # a row without top-p: +inf, nothing dropped
+        drop[:, 0] = False
+        logits = torch.empty_like(logits).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
-    if min_p:
-        probs = probs.masked_fill(probs < min_p_values[:, None] * probs.max(-1, keepdim=True).values, 0.0)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def shares_argmax(seq: "Sequence") -> bool:

@@ -132,23 +132,26 @@ def test_only_greedy_or_unseeded_static_rows_pick_on_the_device():
 
 
 def _reference_probs(logits: torch.Tensor, params: SamplingParams, rules) -> torch.Tensor:
-    """What `sample_row` draws from, by its own steps (its multinomial's input)."""
-    from pagedlm import sampling
-
+    """What a sampled row draws from, written out on probabilities one token
+    at a time: its rules, temperature, its top-k, top-p over what top-k kept
+    (best first until the mass reaches p), min-p against the best."""
     p = params
-    if rules is not None:
-        logits = rules.apply(logits, [])
-    finite = torch.finfo(logits.dtype).max
-    logits = logits.nan_to_num(nan=-finite, posinf=finite, neginf=-finite)
-    logits = (logits - logits.max()) / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], float("-inf"))
+    logits = rules.apply(logits, []) if rules is not None else logits
+    probs = torch.softmax(logits.double() / p.temperature, -1)
+    order = probs.argsort(descending=True).tolist()
+    keep = order[: p.top_k] if 0 < p.top_k < len(order) else order
+    kept = torch.zeros_like(probs)
+    kept[keep] = probs[keep]
     if p.top_p < 1.0:
-        logits = sampling._top_p(logits, p.top_p)
-    probs = torch.softmax(logits, dim=-1)
+        kept, mass, total = torch.zeros_like(probs), 0.0, float(probs[keep].sum())
+        for i in keep:
+            kept[i], mass = probs[i], mass + float(probs[i]) / total
+            if mass >= p.top_p:
+                break
+    kept = kept / kept.sum()
     if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+        kept = kept.masked_fill(kept < p.min_p * kept.max(), 0.0)
+    return kept / kept.sum()
 
 
 @pytest.mark.parametrize("knobs", [dict(temperature=0.7), dict(temperature=1.3, top_k=12),
