@@ -25,15 +25,19 @@ bench() {  # output file, limit, bench arguments...
   (cd "$NOW" && PYTHONPATH=.:${LIB:-} timeout "$limit" python3 -m pagedlm.cli bench "$@" --json 2>>"$OUT/bench.err") \
     | grep '^{' | tee -a "$OUT/$file"
 }
+grammar_lib() {  # llguidance from its carried wheel, on LIB
+  LIB=/tmp/pylib; [ -d $LIB/llguidance ] || { mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB; }
+}
 if has tests; then
-  (cd "$NOW" && eval timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rf "${GPU_TESTS:-tests/gpu}") > "$OUT/gpu_tests.log" 2>&1
+  ls "$CARRY"/llguidance-*.whl >/dev/null 2>&1 && grammar_lib  # the grammar tests run where the wheel travels
+  (cd "$NOW" && export PYTHONPATH=.:${LIB:-} && eval timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rf "${GPU_TESTS:-tests/gpu}") > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
 fi
 if has spec; then
   (cd "$NOW" && PYTHONPATH=. timeout "${SPEC_TIMEOUT:-200}" python3 benchmarks/gpu_spec.py) 2>>"$OUT/bench.err" | tee "$OUT/spec.jsonl"
 fi
 if has mask; then
-  LIB=/tmp/pylib; mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB
+  grammar_lib
   for pair in "qwen3-0.6b smollm2-tok" "gemma3-270m gemma-tok"; do
     set -- $pair; dir=/tmp/mask-$1; mkdir -p "$dir"
     [ -d "$CARRY/$2" ] || { echo "mask: $1 skipped, .carry/$2 not carried" >>"$OUT/bench.err"; continue; }
@@ -43,7 +47,7 @@ if has mask; then
   done
 fi
 if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask_fill.py)
-  LIB=/tmp/pylib; mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB
+  grammar_lib
   (cd "$NOW" && PYTHONPATH=.:$LIB THREADS="${THREADS:-1 4 8 16}" MATCHERS="${MATCHERS:-copy fresh}" timeout 200 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
     2>>"$OUT/bench.err" | tee "$OUT/mask_fill.jsonl"
 fi

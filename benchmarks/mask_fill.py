@@ -10,7 +10,10 @@ llguidance caches between two fills of one state).
 
 Rows' matchers: ``copy`` (the engine's: deep copies of one compiled
 grammar) or ``fresh`` (each row compiles the grammar itself: whether copies
-share state that threads contend on).
+share state that threads contend on), or ``split``: copies, filled by as
+many Python threads as the thread count, each with a one-thread executor of
+its own over a slice of the rows (whether llguidance's pool is what fails
+to scale).
 
 Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
 (THREADS="1 4 12", MATCHERS="copy fresh" and FILL_STEPS in the environment).
@@ -23,10 +26,11 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
+import torch
 
 from pagedlm.structured import Constraint, GrammarCompiler, fill_bitmask
 from pagedlm.structured import compiler as compiler_module
@@ -51,17 +55,27 @@ def main() -> None:
                 m._compiled.set_result(compiler_module._compile(compiler._llg_tokenizer(), constraint.llguidance_grammar()))
         while not all(m.ready() for m in matchers):
             time.sleep(0.01)
+        split = _split_fill(threads) if kind == "split" else None
         rng = random.Random(0)
         fresh = again = 0.0
         words = (matchers[0].width + 31) // 32
         for _ in range(steps):
             t0 = time.perf_counter()
-            bitmask, live = fill_bitmask(matchers)
+            if split:
+                bitmask = np.zeros((rows, words), dtype=np.int32)
+                split([(m._live(), j) for j, m in enumerate(matchers)], bitmask)
+                live = [bool(r.any()) for r in bitmask]
+                bitmask = torch.from_numpy(bitmask)
+            else:
+                bitmask, live = fill_bitmask(matchers)
             fresh += time.perf_counter() - t0
             scratch = np.zeros(bitmask.shape, dtype=np.int32)
             pairs = [(m._live(), j) for j, m in enumerate(matchers)]
             t0 = time.perf_counter()
-            matcher_module._executor.unsafe_compute_mask_ptr(pairs, scratch.ctypes.data, words * 4, rows)
+            if split:
+                split(pairs, scratch)
+            else:
+                matcher_module._executor.unsafe_compute_mask_ptr(pairs, scratch.ctypes.data, words * 4, rows)
             again += time.perf_counter() - t0
             allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
             for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
@@ -71,6 +85,21 @@ def main() -> None:
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "executor_again_ms_per_step": round(1000 * again / steps, 3),
                           "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}), flush=True)
+
+
+def _split_fill(threads: int):
+    """fill(pairs, bitmask): ``threads`` one-thread executors, each on its own
+    Python thread (llguidance drops the GIL), over interleaved slices of the rows."""
+    executors = [llguidance.LLExecutor(num_threads=1) for _ in range(threads)]
+    pool = ThreadPoolExecutor(threads)
+
+    def fill(pairs, bitmask: np.ndarray) -> None:
+        rows, words = bitmask.shape
+        parts = [pool.submit(e.unsafe_compute_mask_ptr, pairs[i::threads], bitmask.ctypes.data, words * 4, rows)
+                 for i, e in enumerate(executors) if pairs[i::threads]]
+        for p in parts:
+            p.result()
+    return fill
 
 
 if __name__ == "__main__":

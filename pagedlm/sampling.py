@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Protocol
 
+import numpy as np
 import torch
 
 from pagedlm.kernels.copies import to_device
@@ -87,6 +88,7 @@ class TokenRules:
         self.min_tokens = min_tokens
         self.stop_ids = sorted(stop_ids)  # banned while fewer than min_tokens are out
         self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._words: dict[int, np.ndarray] = {}
 
     def banned_now(self, output_ids: list[int]) -> list[int]:
         """The tokens banned at this step only, after ``output_ids``."""
@@ -131,6 +133,20 @@ class TokenRules:
                 mask[sorted(self.banned)] = float("-inf")
             self._tensors[key] = mask.to(device)
         return self._tensors[key]
+
+    def words(self, width: int) -> np.ndarray:
+        """int32 ``[ceil(width / 32)]``: bit ``j`` of word ``i`` set where it
+        permits token ``32 * i + j`` (llguidance's bitmask layout; the bias and
+        the step's own bans aside); once per width."""
+        if width not in self._words:
+            keep = np.zeros(-(-width // 32) * 32, dtype=bool)
+            if self.allowed is None:
+                keep[:width] = True
+            else:
+                keep[sorted(self.allowed)] = True
+            keep[sorted(self.banned)] = False
+            self._words[width] = np.packbits(keep, bitorder="little").view("<i4")
+        return self._words[width]
 
     def apply(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
         """One row's float32 logits ``[V]`` under these rules."""
@@ -210,6 +226,9 @@ def apply_penalties(logits: torch.Tensor, seq: "Sequence") -> torch.Tensor:
     return logits
 
 
+NOTHING_LEFT = "the request's allowed_token_ids, bad_words or min_tokens leave no token the grammar allows"
+
+
 def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     """Next token of one row from its float32 logits ``[V]``: its rules, its
     penalties, then the argmax or its draw; None for a constrained row whose
@@ -219,7 +238,7 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
         logits = seq.rules.apply(logits, seq.output_ids)
         matcher = seq.matcher
         if matcher is not None and not bool((logits > float("-inf")).any()):
-            matcher.fail("the request's allowed_token_ids, bad_words or min_tokens leave no token the grammar allows")
+            matcher.fail(NOTHING_LEFT)
             return None
     logits = apply_penalties(logits, seq)
     if seq.generator is None:
@@ -276,14 +295,15 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
 
 def picks_on_device(seq: "Sequence") -> bool:
     """Whether `pick_on_device` can take the row's token: an unpenalized,
-    unbiased row without a grammar, whose rules do not change with its
-    output, and that is greedy (the token `sample` picks) or samples without
-    a seed (from the same distribution, drawn on the device; a seeded row
-    draws on its CPU generator, so that a seed means the same everywhere).
-    Async scheduling launches the next step with such a row's token before
-    the host knows it."""
+    unbiased row whose rules do not change with its output, and that is
+    greedy (the token `sample` picks) or samples without a seed (from the
+    same distribution, drawn on the device; a seeded row draws on its CPU
+    generator, so that a seed means the same everywhere). A grammar row's
+    logits come masked (`grammar_masks`, host work before the pick). Async
+    scheduling launches the next step with such a row's token before the
+    host knows it."""
     return (not _penalized(seq) and (seq.rules is None or (not seq.rules.bias and seq.rules.static()))
-            and seq.matcher is None and (seq.generator is None or seq.params.seed is None))
+            and (seq.generator is None or seq.params.seed is None))
 
 
 def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
@@ -308,6 +328,24 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor
     probs = _probs(logits.index_select(0, rows), [seqs[i].params for i in drawn], device)
     # torch.multinomial's own rule for one sample, on the device's generator: the argmax of probs / E, E ~ Exp(1)
     return greedy.index_copy(0, rows, (probs / torch.empty_like(probs).exponential_()).argmax(-1))
+
+
+def grammar_masks(seqs: list["Sequence"]) -> tuple[torch.Tensor, list[bool]]:
+    """For `pick_on_device` over grammar rows ``seqs`` (static rules): each
+    row's bitmask (`structured.fill_bitmask`, CPU int32) less the tokens its
+    rules refuse, and whether any token is left (a row with none is dead,
+    as `sample_row` kills it)."""
+    from pagedlm.structured import fill_bitmask  # llguidance is imported only when a request has a grammar
+
+    bitmask, live = fill_bitmask([seq.matcher for seq in seqs])
+    words = bitmask.numpy()
+    for j, seq in enumerate(seqs):
+        if live[j] and seq.rules is not None:
+            words[j] &= seq.rules.words(seq.matcher.width)
+            if not words[j].any():
+                seq.matcher.fail(NOTHING_LEFT)
+                live[j] = False
+    return bitmask, live
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:

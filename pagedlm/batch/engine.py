@@ -30,11 +30,12 @@ from pagedlm.cache.blocks import BlockManager
 from pagedlm.cache.layout import PoolTooSmall, kv_bytes, make_pools, model_share, plan_layout
 from pagedlm.cache.prompt import PromptCache
 from pagedlm.cache.store import KVStore
+from pagedlm.kernels.copies import to_device
 from pagedlm.options import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, EngineOptions, OptionError,
                              async_scheduling_on, check_refusals)
 from pagedlm.params import SamplingParams
-from pagedlm.sampling import (logprobs_of, pick_on_device, picks_on_device, ranks_of, sample, shares_argmax,
-                              token_rules)
+from pagedlm.sampling import (grammar_masks, logprobs_of, pick_on_device, picks_on_device, ranks_of, sample,
+                              shares_argmax, token_rules)
 from pagedlm.speculative import NgramProposer, SpecStats, verify
 
 from .graphs import capture_graphs
@@ -344,18 +345,25 @@ class LLMEngine:
                         self._score_prompt(seq, n, hidden[step.query_start_host[r] : step.query_start_host[r + 1]])
                 if sampled:
                     logits = self.model.compute_logits(hidden[step.logits_rows]).float()
-            if overlap and sampled:
-                launched = self._launch(logits, sampled)
             self.store.end_step()
             self._steps += 1
-            outputs = self._land(inflight, dict(rows)) if inflight is not None else []
+            current = dict(rows)
+            # An overlapped step launches its picks, then lands the step in flight; but a grammar row's
+            # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
+            land_first = not overlap or any(seq.matcher is not None for seq in sampled)
+            outputs = self._land(inflight, current) if inflight is not None and land_first else []
             if overlap:
+                if sampled:
+                    launched, dead = self._launch(logits, sampled)
+                    outputs += self._end(dead, current)
+                if inflight is not None and not land_first:
+                    outputs = self._land(inflight, current)
                 self._advance(rows, sampled)
                 self._inflight = launched
             else:
                 emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
                 outputs += self._settle(rows, sampled, emitted, first, logits)
-        if self._grammars is not None and self.prefetch_masks:
+        if self._grammars is not None and self.prefetch_masks and self._inflight is None:
             self._prefetch_masks()
         return outputs
 
@@ -366,8 +374,22 @@ class LLMEngine:
                 and all(picks_on_device(seq) and seq.params.logprobs is None and seq.params.max_tokens > 0
                         for seq in sampled))
 
-    def _launch(self, logits: torch.Tensor, sampled: list[Sequence]) -> InFlight:
-        """Pick the step's tokens on the device and start their copy to the host."""
+    def _launch(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[InFlight, list[GenerationResponse]]:
+        """Pick the step's tokens on the device and start their copy to the
+        host; grammar rows pick within their masks, filled now (their matchers
+        hold every token before this step's). Also the responses of the rows
+        whose grammar allows nothing (they end, "error")."""
+        constrained = [i for i, seq in enumerate(sampled) if seq.matcher is not None and not seq.is_finished]
+        dead = []
+        if constrained:
+            from pagedlm.structured import masked_logits
+
+            bitmask, live = grammar_masks([sampled[i] for i in constrained])
+            rows = to_device(constrained, torch.long, logits.device)
+            masked, live = masked_logits(logits.index_select(0, rows), [sampled[i].matcher for i in constrained],
+                                         (to_device(bitmask.numpy(), torch.int32, logits.device), live))
+            logits = logits.index_copy(0, rows, masked)
+            dead = [self._end_without_token(sampled[i], "error") for i, ok in zip(constrained, live) if not ok]
         tokens = pick_on_device(logits, sampled)
         ready = None
         if tokens.is_cuda:
@@ -377,7 +399,7 @@ class LLMEngine:
             ready.record()
         else:
             host = tokens
-        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready)
+        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready), dead
 
     def _advance(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> None:
         """After launching an overlapped step: its rows' keys count as computed,
@@ -391,11 +413,9 @@ class LLMEngine:
                 seq.output_ids.append(PENDING)
 
     def _land(self, inflight: InFlight, current: dict[Sequence, int]) -> list[GenerationResponse]:
-        """Read an in-flight step's tokens and answer for them. A sequence
-        they end that has a row in the ``current`` step (launched since, with
-        a row per sequence) counts that row's keys as computed before its
-        storage is released: they are its tokens', and the step in flight
-        writes them before anything after it can reuse the storage."""
+        """Read an in-flight step's tokens, answer for them and end the
+        sequences they end (`_end`; ``current``: the step launched since, a
+        row per sequence)."""
         if inflight.ready is not None:
             inflight.ready.synchronize()
         outputs = []
@@ -404,6 +424,14 @@ class LLMEngine:
                 continue
             seq.output_ids.pop()  # PENDING
             outputs.append(self._append(seq, token, None))
+        return self._end(outputs, current)
+
+    def _end(self, outputs: list[GenerationResponse], current: dict[Sequence, int]) -> list[GenerationResponse]:
+        """End the sequences of ``outputs`` that finish, outside a synchronous
+        step's settling. One with a row in the ``current`` step, launched
+        already, counts that row's keys as computed before its storage is
+        released: they are its tokens', and the step writes them before
+        anything after it can reuse the storage."""
         for out in outputs:
             if out.finish_reason is not None:
                 seq = out.seq

@@ -1,3 +1,5 @@
+import numpy as np
+import pytest
 import torch
 
 from pagedlm.batch.sequence import Sequence, StopMatcher
@@ -173,3 +175,17 @@ def test_stop_matcher_keeps_the_stop_string_with_include_and_names_the_first():
     m = StopMatcher(["END"], include=True)
     assert m.feed("x EN") == ("x ", None)
     assert m.feed("D tail") == ("ENDD"[:3], "END")
+
+
+@pytest.mark.parametrize("allowed", [None, [0, 5, 31, 32, 63, 99]])
+def test_rule_words_are_the_rule_mask_in_llguidances_bit_layout(allowed):
+    """`TokenRules.words` (what async grammar rows AND into their bitmasks)
+    permits exactly the tokens `TokenRules.mask` leaves at 0: bit j of
+    int32 word i is token 32 i + j, past the vocabulary nothing."""
+    rules = TokenRules(banned=[1, 32, 70, 99], allowed=allowed)
+    width = 100
+    words = rules.words(width)
+    assert words.dtype == np.int32 and words.shape == (4,)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
+    assert bits[:width].tolist() == (rules.mask(width, torch.device("cpu")) == 0).tolist()
+    assert not bits[width:].any()

@@ -38,6 +38,10 @@ def constrained(kind: dict, **params) -> SamplingParams:
     return SamplingParams(max_tokens=200, structured_outputs=Constraint(**kind), **params)
 
 
+def _async(options: EngineOptions, on: bool) -> EngineOptions:
+    return EngineOptions(**{**options.__dict__, "async_scheduling": on})
+
+
 @pytest.mark.parametrize("store", list(STORES))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_regex_and_choice_outputs_hold_their_constraint(model, tokenizer, store, temperature):
@@ -107,9 +111,11 @@ def test_a_constrained_row_leaves_its_neighbours_alone(model, tokenizer):
     jsonschema.validate(json.loads(beside[1][0].text), SCHEMA)
 
 
-def test_a_grammar_that_dead_ends_ends_the_row_with_error(model, tokenizer, caplog):
-    """allowed_token_ids that the grammar never allows: nothing can be sampled."""
-    engine = LLMEngine(model, tokenizer)
+@pytest.mark.parametrize("on", [False, True], ids=["sync", "async"])
+def test_a_grammar_that_dead_ends_ends_the_row_with_error(model, tokenizer, caplog, on):
+    """allowed_token_ids that the grammar never allows: nothing can be
+    sampled (under async scheduling the rules clear the mask's bits on the host)."""
+    engine = LLMEngine(model, tokenizer, _async(EngineOptions(), on))
     digit = tokenizer.encode("7")
     params = constrained(dict(regex="[a-z]+"), allowed_token_ids=digit)
     (seq,), (other,) = run(engine, [(tokenizer.encode("q"), params),
@@ -138,3 +144,67 @@ def test_an_invalid_constraint_is_refused_when_added(model, tokenizer):
     with pytest.raises(ValueError, match="regex"):
         engine.add_request(tokenizer.encode("q"), SamplingParams(structured_outputs=Constraint(regex="(")))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("store", ["default", "paged-caching"])
+def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens(model, tokenizer, store):
+    """Async scheduling with grammar rows: each step lands the token in flight
+    before its picks, fills the masks from it and picks on the device; the
+    outputs (greedy JSON, regex and choice rows beside a plain one, a late
+    arrival, rows ending on their grammar mid-batch) are the synchronous
+    engine's, and steps were left in flight while grammar rows ran."""
+    prompt = tokenizer.encode("Reply: ")
+    kinds = [dict(json=SCHEMA), dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"), dict(choice=["left", "right", "up"])]
+
+    def outputs(on: bool):
+        engine = LLMEngine(model, tokenizer, _async(STORES[store], on))
+        seqs = [engine.add_request(prompt, constrained(k, n=2 if i == 0 else 1)) for i, k in enumerate(kinds)]
+        seqs.append(engine.add_request(tokenizer.encode("abc"), SamplingParams(max_tokens=20, ignore_eos=True)))
+        overlapped, steps = [], 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            overlapped.append(engine._inflight is not None and any(
+                s.matcher is not None and not s.is_finished for group in seqs for s in group))
+            if steps == 3:
+                seqs.append(engine.add_request(prompt, constrained(dict(json=SCHEMA))))
+        return [[(s.output_ids, s.text, s.finish_reason) for s in group] for group in seqs], any(overlapped)
+
+    sync, never = outputs(False)
+    got, overlapped = outputs(True)
+    assert got == sync and overlapped and not never
+    assert all(finish == "stop" for group in got[:3] for _, _, finish in group)
+
+
+def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(model, tokenizer, monkeypatch):
+    """A grammar row whose mask allows nothing at a step in flight (a parser
+    limit, here forced) ends "error" with the tokens it had, as without async
+    scheduling; its neighbours go on."""
+    import numpy as np
+
+    import pagedlm.structured as structured
+
+    fill = structured.fill_bitmask
+
+    def outputs(on: bool):
+        engine = LLMEngine(model, tokenizer, _async(STORES["paged"], on))
+        (dies,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
+        (lives,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
+
+        def dead_at_four(matchers):
+            bitmask, live = fill(matchers)
+            for j, m in enumerate(matchers):
+                if m is dies.matcher and m.version == 4:
+                    bitmask.numpy()[j] = np.zeros_like(bitmask.numpy()[j])
+                    live[j] = m._filled(False)
+            return bitmask, live
+        monkeypatch.setattr(structured, "fill_bitmask", dead_at_four)
+        while engine.has_unfinished():
+            engine.step()
+        monkeypatch.undo()
+        return [(s.output_ids, s.text, s.finish_reason) for s in (dies, lives)]
+
+    sync = outputs(False)
+    assert sync == outputs(True)
+    assert len(sync[0][0]) == 4 and sync[0][2] == "error"
+    assert sync[1][2] == "stop" and re.fullmatch("[a-z]{12}", sync[1][1])
