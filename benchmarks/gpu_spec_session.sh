@@ -4,7 +4,8 @@
 #   spec    benchmarks/gpu_spec.py: a verify step of 1 + k queries a row against a plain decode step,
 #           three shapes, batch 1 and 32; a Llama-3.2-1B-shaped draft for the 8B shape, graphs and eager
 #   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
-#           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel
+#           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel;
+#           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by llguidance thread count
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
@@ -38,12 +39,14 @@ if has spec; then
 fi
 if has mask; then
   grammar_lib
-  for pair in "qwen3-0.6b smollm2-tok" "gemma3-270m gemma-tok"; do
-    set -- $pair; dir=/tmp/mask-$1; mkdir -p "$dir"
+  for pair in ${MASK_SHAPES:-qwen3-0.6b:smollm2-tok gemma3-270m:gemma-tok}; do
+    set -- ${pair/:/ }; dir=/tmp/mask-$1; mkdir -p "$dir"
     [ -d "$CARRY/$2" ] || { echo "mask: $1 skipped, .carry/$2 not carried" >>"$OUT/bench.err"; continue; }
     cp "$NOW/$M/$1/config.json" "$CARRY/$2"/tokenizer*.json "$dir/"
-    bench mask.jsonl 200 throughput --random-weights --model "$dir" --device cuda \
-      --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3
+    for mode in ${MASK_ASYNC:-on}; do  # on, off: with --async-scheduling, --no-async-scheduling
+      bench mask.jsonl 200 throughput --random-weights --model "$dir" --device cuda --$([ $mode = on ] || echo no-)async-scheduling \
+        --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3
+    done
   done
 fi
 if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask_fill.py)

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from pagedlm.batch.engine import LLMEngine
+from pagedlm.batch.sequence import PENDING
 from pagedlm.options import EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
 from pagedlm.structured import Constraint
@@ -208,3 +209,36 @@ def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(mod
     assert sync == outputs(True)
     assert len(sync[0][0]) == 4 and sync[0][2] == "error"
     assert sync[1][2] == "stop" and re.fullmatch("[a-z]{12}", sync[1][1])
+
+
+def test_grammar_rows_that_need_the_host_stay_synchronous_under_async(model, tokenizer):
+    """Greedy grammar rows pick on the device, a one-token bad word cleared
+    from the bitmask on the host; seeded or penalized grammar rows, and
+    grammar rows with min_tokens, sample on the host (their steps run
+    synchronously): the synchronous engine's outputs either way, and an
+    aborted grammar row with a token in flight leaves nothing behind."""
+    from pagedlm.sampling import picks_on_device
+
+    prompt = tokenizer.encode("Reply: ")
+    kinds = [constrained(dict(json=SCHEMA)), constrained(dict(json=SCHEMA), temperature=0.8, seed=4),
+             constrained(dict(regex=r"[a-c]{2,9}"), repetition_penalty=1.2),
+             constrained(dict(regex=r"[a-c]{2,9}"), bad_words=["b"]),
+             constrained(dict(regex=r"[a-c ]{2,9}"), min_tokens=3)]
+
+    def outputs(on: bool):
+        engine = LLMEngine(model, tokenizer, _async(STORES["paged-caching"], on))
+        seqs = [engine.add_request(prompt, p)[0] for p in kinds]
+        doomed = engine.add_request(prompt, constrained(dict(json=SCHEMA)))[0]
+        on_device = [picks_on_device(s) for s in seqs]
+        while engine.has_unfinished():
+            engine.step()
+            if doomed.output_ids and not doomed.is_finished:
+                engine.abort(doomed)
+        assert PENDING not in doomed.output_ids and doomed.finish_reason == "abort"
+        assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.store.rows
+        return [(s.output_ids, s.text, s.finish_reason) for s in seqs], on_device
+
+    sync, _ = outputs(False)
+    got, on_device = outputs(True)
+    assert got == sync and on_device == [True, False, False, True, False]
+    assert "b" not in got[3][1] and len(got[3][1]) >= 2
