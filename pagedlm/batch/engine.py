@@ -317,7 +317,9 @@ class LLMEngine:
         host's scheduling, input preparation and text overlap the device's
         step, and a sequence ends one step after the one that sampled its
         last token (a row that step gave it is computed and discarded; one
-        that ends by max_tokens is not scheduled again). The tokens are the
+        that ends by max_tokens is not scheduled again). A step with grammar
+        rows lands its predecessor before its picks (their masks need that
+        token), while the device runs its forward pass. The tokens are the
         same as without it."""
         inflight, self._inflight = self._inflight, None
         if self.proposer is not None:
