@@ -51,7 +51,7 @@ if has mask; then
 fi
 if has maskfill; then  # the host's fill alone, by thread count (benchmarks/mask_fill.py)
   grammar_lib
-  (cd "$NOW" && PYTHONPATH=.:$LIB THREADS="${THREADS:-1 4 8 16}" MATCHERS="${MATCHERS:-copy fresh}" timeout 200 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
+  (cd "$NOW" && PYTHONPATH=.:$LIB THREADS="${THREADS:-1 4 8 16}" MATCHERS="${MATCHERS:-copy fresh split}" timeout 200 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
     2>>"$OUT/bench.err" | tee "$OUT/mask_fill.jsonl"
 fi
 if has decode; then
