@@ -30,6 +30,10 @@ PAGED_KV_ENV = "PAGEDLM_PAGED_KV"
 PREFIX_CACHING_ENV = "PAGEDLM_PREFIX_CACHING"
 PAGED_FLAGS = ("paged_kv", "paged_kv_block_size", "prefix_caching")  # resolved by resolve_paged_kv
 QUANTIZATION_ENV = "PAGEDLM_QUANTIZATION"
+# "0": the CPU's int8 / int4 products stay torch's kernels and layouts instead of the
+# integer kernel built at first use (kernels.cpu_quant): an escape hatch, and main's
+# path for same-process comparisons (benchmarks/cpu_quant_ab.py).
+CPU_QUANT_KERNEL_ENV = "PAGEDLM_CPU_QUANT"
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only formats (kernels.quant)
 KV_QUANT_MODES = ("none", "int8", "fp8")  # KV block formats (cache.kv_quant)
 DEFAULT_QUANTIZATION = "none"

@@ -6,9 +6,10 @@ dispatch. ``torch.compile`` (inductor's CPU backend, which writes and builds
 C++) turns the model's forward and its output head into one graph: the
 pointwise work between two products fuses into one loop, and the step is
 one call with one set of guards. The products: float32 ones are MKL's
-(``kernels.cpu.linear``), int4 ones torch's int4 kernel, and a one-row int8
-product becomes a loop of inductor's own over the codes
-(``QuantizedWeight.linear``, ``inductor_options``).
+(``kernels.cpu.linear``), int4 and int8 ones the integer kernel's op
+(``pagedlm::cpu_quant_mm``, ``kernels.cpu_quant``); without that kernel, int4
+ones are torch's int4 kernel and a one-row int8 product becomes a loop of
+inductor's own over the codes (``QuantizedWeight.linear``, ``inductor_options``).
 
 Attention: in the one-row graph it is inside. The store reserves each
 layer's slot for the step's token eagerly (``KVStore.reserve_decode``:
@@ -32,8 +33,8 @@ Which steps it runs: every row decodes one token and samples, at most
 ``MAX_ROWS`` rows (a step with a prompt chunk or a speculative verify row
 runs eagerly). Float32 logits equal the eager step's within 1e-4 (the fused
 loops sum in another order; the residual adds stay out of the products,
-``ResidualOutsideGemm``); quantized ones differ a little more, since the
-int8 loop reads float32 activations where the kernel rounds them to
+``ResidualOutsideGemm``); quantized ones differ a little more where the
+int8 loop reads float32 activations and the eager kernel rounds them to
 bfloat16 (``tests/weights/test_compiled_models.py``).
 """
 
@@ -169,16 +170,20 @@ class ResidualOutsideGemm(CustomGraphPass):
 
 def inductor_options(model: torch.nn.Module) -> dict:
     """The residual adds stay out of the products (``ResidualOutsideGemm``).
-    Quantized weights: every pointwise result becomes a buffer. A one-row
-    int8 product in the graph is a reduction over the codes
-    (``QuantizedWeight.linear``), and inductor would otherwise recompute the
-    norm or activation that feeds it once per output row (measured on SmolLM2,
-    2 threads: int8 1.24 -> 1.39x eager, int4 with its int8 head 1.06 ->
-    1.32x). A float32 step's products are library calls that read buffers
-    anyway, and there the same setting costs 3% (1.17 -> 0.97x): left alone."""
-    quantized = any(isinstance(m, QuantizedWeight) for m in model.modules())
+    An int8 weight on torch's path (no ``kernels.cpu_quant`` tiles): every
+    pointwise result becomes a buffer. Its one-row product in the graph is a
+    reduction over the codes (``QuantizedWeight.linear``), and inductor would
+    otherwise recompute the norm or activation that feeds it once per output
+    row (measured on SmolLM2, 2 threads: int8 1.24 -> 1.39x eager, int4 with
+    its int8 head 1.06 -> 1.32x). Library calls (float32's MKL product, the
+    integer kernel's op) read buffers anyway, and there the same setting
+    costs: 3% on float32 (1.17 -> 0.97x), 2-4% on SmolLM2 int4 with the
+    integer kernel (116.0 -> 120.5 tok/s at prompt 64, 74.9 -> 76.7 at 512,
+    same process): left alone."""
+    looped = any(isinstance(m, QuantizedWeight) and m.mode == "int8" and not hasattr(m, "tiles")
+                 for m in model.modules())
     options = {"post_grad_custom_post_pass": ResidualOutsideGemm()}
-    return (options | {"realize_opcount_threshold": 0}) if quantized else options
+    return (options | {"realize_opcount_threshold": 0}) if looped else options
 
 
 class CompiledDecode:

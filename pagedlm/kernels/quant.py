@@ -4,8 +4,10 @@ Batch-1 decode reads every weight once per token, so it runs at the speed
 of the bytes read: an int4 weight is an eighth of float32. torch ships the
 products that read them (``torch._weight_int8pack_mm``,
 ``torch._weight_int4pack_mm_for_cpu`` on the CPU, ``torch._weight_int4pack_mm``
-on CUDA); this file holds the one storage format the conversion cache keeps
-and turns it into what each kernel wants.
+on CUDA); on an x86 CPU with AVX2 and a C++ compiler the products are
+``kernels.cpu_quant``'s integer ones instead (2-4x torch's CPU kernels at
+one row, on the same weight numbers). This file holds the one storage
+format the conversion cache keeps and turns it into what each kernel wants.
 
 Stored ("portable") format, per ``[N, K]`` weight (``N`` outputs, ``K`` inputs):
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedlm.kernels import cpu_quant
 from pagedlm.options import QUANTIZATIONS
 
 GROUP_SIZE = 32  # int4 group; GGUF Q4_K / Q4_1 use 32-weight blocks too
@@ -142,6 +145,8 @@ class QuantizedWeight(torch.nn.Module):
                              f"does not fit a [{n}, {k}] weight")
         # bfloat16 activations: the fast path of the CPU kernels and the model dtype on CUDA.
         self = cls(mode, shape, torch.bfloat16)
+        if device.type == "cpu" and cpu_quant.fits(shape) and cpu_quant.library():
+            return self._tile_for_cpu(tensors, rows=rows, linear=linear)
         if mode == "int8":
             self.register_buffer("qweight", aligned(tensors["qweight"].to(device)))
             self.register_buffer("scales", aligned(tensors["scales"].to(device, torch.float32)))
@@ -167,13 +172,35 @@ class QuantizedWeight(torch.nn.Module):
                 aligned(tensors["qweight"].to(device)), inner_k_tiles))
         return self
 
+    def _tile_for_cpu(self, tensors: dict[str, torch.Tensor], *, rows: bool, linear: bool) -> "QuantizedWeight":
+        """The layout of ``kernels.cpu_quant`` instead of torch's (no more memory):
+        int8 rows are looked up in the tiles; int4 keeps its stored codes for rows."""
+        if self.mode == "int8":
+            self.register_buffer("tiles", cpu_quant.pack_int8(tensors["qweight"]))
+            self.register_buffer("scales", aligned(tensors["scales"].float()))
+            return self
+        if rows:
+            for name in ("qweight", "scales", "mins"):
+                self.register_buffer(name, aligned(tensors[name]))
+        if linear:
+            scales, mins = tensors["scales"].float(), tensors["mins"].float()
+            sz = torch.stack((scales, mins + 8 * scales), -1).to(self.compute_dtype)  # torch's bf16 numbers
+            parts = [cpu_quant.pack_int4(unpack_int4(tensors["qweight"][i : i + _PACK_CHUNK]), sz[i : i + _PACK_CHUNK])
+                     for i in range(0, self.shape[0], _PACK_CHUNK)]
+            self.register_buffer("tiles", torch.cat([t for t, _ in parts]))
+            self.register_buffer("tile_scales", torch.cat([z for _, z in parts]))
+        return self
+
     def _apply(self, fn, recurse=True):
         return self  # ``model.to(dtype)`` must not cast the kernel's scales; see the class doc
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.mode == "int8" and x2.shape[0] == 1 and x2.device.type == "cpu" and torch.compiler.is_compiling():
+        if hasattr(self, "tiles") and x2.device.type == "cpu":
+            scales = self.scales if self.mode == "int8" else self.tile_scales
+            y = torch.ops.pagedlm.cpu_quant_mm.default(x2, self.tiles, scales)
+        elif self.mode == "int8" and x2.shape[0] == 1 and x2.device.type == "cpu" and torch.compiler.is_compiling():
             # One row in a compiled step (batch.compiled): the dequantization
             # written out as products and a sum over the codes, which inductor
             # fuses into one loop reading each byte once, at about twice the
@@ -203,11 +230,18 @@ class QuantizedWeight(torch.nn.Module):
 
     def linear_buffers(self) -> list[torch.Tensor]:
         """What ``linear`` reads: the kernel's layout of the weight."""
-        names = ("qweight", "kernel_scales") if self.mode == "int8" else ("packed", "scales_and_zeros")
+        if hasattr(self, "tiles"):
+            names = ("tiles", "scales") if self.mode == "int8" else ("tiles", "tile_scales")
+        else:
+            names = ("qweight", "kernel_scales") if self.mode == "int8" else ("packed", "scales_and_zeros")
         return [getattr(self, n) for n in names if hasattr(self, n)]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized: ``F.embedding(ids, W)``."""
+        if self.mode == "int8" and hasattr(self, "tiles"):
+            flat = ids.reshape(-1)
+            w = cpu_quant.unpack_int8_rows(self.tiles, flat).float() * self.scales[flat, None]
+            return w.reshape(*ids.shape, -1).to(dtype)
         stored = {name: getattr(self, name) for name in ("qweight", "scales", "mins") if hasattr(self, name)}
         if "qweight" not in stored:
             raise RuntimeError("this quantized weight was built without rows=True; it has no row lookup")

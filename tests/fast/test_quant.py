@@ -123,9 +123,10 @@ def test_embedding_rows_are_the_dequantized_rows(mode):
 def test_model_to_dtype_leaves_kernel_layout_alone():
     w = _weight()
     qw = QuantizedWeight.from_stored(quantize(w, "int4"), tuple(w.shape), "cpu")
-    before = qw.scales_and_zeros.clone()
+    scales = qw.linear_buffers()[-1]  # the kernel's bfloat16 scales and zeros (torch's or cpu_quant's)
+    before = scales.clone()
     torch.nn.Sequential(qw).to(torch.float32)
-    assert qw.scales_and_zeros.dtype == torch.bfloat16 and torch.equal(qw.scales_and_zeros, before)
+    assert scales.dtype == torch.bfloat16 and torch.equal(qw.linear_buffers()[-1], before)
 
 
 # ---------------------------------------------------------------- whole models
@@ -287,10 +288,13 @@ def test_cli_rejects_bad_quantization_in_one_line(argv, capsys):
     assert "quantization must be" in err and err.count("\n") == 1
 
 
-def test_int8_prompt_chunks_on_the_cpu_multiply_in_float32():
-    """From CPU_GEMM_ROWS rows the weight is dequantized and the product is
-    MKL's float32 one (the kernel's bf16 activations would be ~1e-3 off)."""
+def test_int8_prompt_chunks_on_the_cpu_multiply_in_float32(monkeypatch):
+    """Torch's products (no integer kernel here): from CPU_GEMM_ROWS rows the
+    weight is dequantized and the product is MKL's float32 one (the kernel's
+    bf16 activations would be ~1e-3 off)."""
     from pagedlm.kernels.quant import CPU_GEMM_ROWS
+
+    monkeypatch.setenv("PAGEDLM_CPU_QUANT", "0")
 
     w = _weight()
     stored = quantize(w, "int8")

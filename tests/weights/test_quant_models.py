@@ -49,3 +49,32 @@ def test_quantized_smollm2_agrees_with_float_except_at_near_ties(mode):
     differ = [(i, margin) for i, ((a, margin), (b, _)) in enumerate(zip(want, got)) if a != b]
     assert len(differ) <= len(text) // 10, differ
     assert all(margin < NEAR_TIE for _, margin in differ), differ
+
+
+@pytest.mark.parametrize("name, mode", [("smollm2-135m-instruct", "int4"), ("smollm2-135m-instruct", "int8"),
+                                        ("gemma3-270m", "int4")])
+def test_integer_cpu_kernel_agrees_with_torch_products_except_at_near_ties(name, mode, monkeypatch):
+    """``kernels.cpu_quant`` (8-bit activations) against torch's products
+    (bfloat16 activations) on the same stored weights, teacher forced along
+    torch's greedy text: the same argmax except at near ties."""
+    from pagedlm.kernels import cpu_quant
+
+    if cpu_quant.library() is None:
+        pytest.skip("no integer CPU kernel on this machine")
+    if BUILTINS[name].locate() is None:
+        pytest.skip(BUILTINS[name].install)
+    model, tok = load(name, quantization=mode)
+    monkeypatch.setenv("PAGEDLM_CPU_QUANT", "0")
+    reference = load(name, quantization=mode)[0]
+    assert any(hasattr(m, "tiles") for m in model.modules())
+    assert not any(hasattr(m, "tiles") for m in reference.modules())
+    ids = tok.encode("The capital of France is")
+    solo, text = Solo(reference), []
+    logits = solo(ids)[-1]
+    for _ in range(48):
+        text.append(int(logits.argmax()))
+        logits = solo([text[-1]])[-1]
+    want, got = _forced_top2(reference, ids, text), _forced_top2(model, ids, text)
+    differ = [(i, margin) for i, ((a, margin), (b, _)) in enumerate(zip(want, got)) if a != b]
+    assert len(differ) <= len(text) // 10, differ
+    assert all(margin < NEAR_TIE for _, margin in differ), differ

@@ -1,0 +1,231 @@
+// Quantized products on the CPU with integer dot products (kernels/cpu_quant.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] for int4 weights (groups of 32:
+// w = (q - 8) * s + z, q in 0..15, s and z bfloat16, as torch's int4 kernel
+// reads them) and int8 weights (w = q * scale[n]). The activations are
+// quantized first, llama.cpp's Q8 way: per group of 32, d = max|x| / 127,
+// a = round(x / d) in -127..127. A group's product is then an integer dot
+// product of 32 codes with 32 bytes, scaled once:
+//   int4: d * (s * sum(q a) + (z - 8 s) * sum(a))
+//   int8: d * scale * sum(q a)
+//
+// Weight layout (built at load, pack_int4 / pack_int8 in cpu_quant.py):
+// tiles of 16 output rows; per tile and group, the lane of row r holds 4
+// bytes of its row, so that one 512-bit dot product (vpdpbusd) advances 16
+// rows by 4 inputs each against 4 activation bytes broadcast to all lanes.
+//   int4: per (tile, group) 4 chunks of [16 rows][4 bytes]; chunk c, byte b
+//         holds input 4c + b in its low nibble and 16 + 4c + b in its high
+//         one; then [16 s][16 z] bfloat16 per (tile, group).
+//   int8: per (tile, group) 8 steps of [16 rows][4 bytes], step t holding
+//         inputs 4t..4t+3 as q + 128 (unsigned: vpdpbusd multiplies unsigned
+//         by signed bytes; the 128 * sum(a) it adds is taken off per group).
+// The AVX2 path (no VNNI) reads the same layout in two 8-row halves.
+#include <ATen/Parallel.h>  // at::get_num_threads
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+enum { G = 32, MB = 4 };  // group size; activation rows per pass over a tile
+
+// Q8 activations of rows [m, k]: codes a, per group d and sum(a).
+static void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* a, float* d, int32_t* sum) {
+    for (int64_t g = 0; g < m * k / G; g++) {
+        const float* xg = x + g * G;
+        float amax = 0.f;
+        for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t s = 0;
+        for (int j = 0; j < G; j++) {
+            const int32_t q = (int32_t)nearbyintf(xg[j] * inv);
+            a[g * G + j] = (int8_t)q;
+            s += q;
+        }
+        d[g] = amax / 127.f;
+        sum[g] = s;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512i ivec;
+typedef __m512 fvec;
+enum { LANES = 16, HALVES = 1 };
+// acc += per lane the sum of 4 unsigned code bytes times 4 signed activation bytes
+static inline ivec dot4_int4(ivec acc, ivec u8, int32_t s8x4) {
+    return _mm512_dpbusd_epi32(acc, u8, _mm512_set1_epi32(s8x4));
+}
+static inline ivec dot4_int8(ivec acc, ivec biased, int32_t s8x4) { return dot4_int4(acc, biased, s8x4); }
+static inline ivec load_i(const void* p) { return _mm512_loadu_si512(p); }
+static inline ivec izero() { return _mm512_setzero_si512(); }
+static inline ivec low4(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+static inline ivec high4(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+static inline ivec isub(ivec a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+static inline fvec to_f(ivec v) { return _mm512_cvtepi32_ps(v); }
+static inline fvec fset(float f) { return _mm512_set1_ps(f); }
+static inline fvec fzero() { return _mm512_setzero_ps(); }
+static inline fvec fma_(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline fvec fmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+static inline fvec fsub(fvec a, fvec b) { return _mm512_sub_ps(a, b); }
+static inline fvec load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline fvec load_f(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store_f(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+#define INT8_BIAS 128  // q + 128 unsigned times a signed: sum(q a) + 128 sum(a)
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256i ivec;
+typedef __m256 fvec;
+enum { LANES = 8, HALVES = 2 };
+// maddubs adds pairs of u8 * s8 into int16 with saturation: the int4 codes
+// (<= 15) stay far below it, the biased int8 ones (q + 128) do not, so int8
+// takes the sign route (|q| times a with q's sign), as llama.cpp does.
+static inline ivec dot4_int4(ivec acc, ivec u8, int32_t s8x4) {
+    const ivec p = _mm256_maddubs_epi16(u8, _mm256_set1_epi32(s8x4));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline ivec load_i(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline ivec izero() { return _mm256_setzero_si256(); }
+static inline ivec low4(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+static inline ivec high4(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+static inline ivec isub(ivec a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+static inline fvec to_f(ivec v) { return _mm256_cvtepi32_ps(v); }
+static inline fvec fset(float f) { return _mm256_set1_ps(f); }
+static inline fvec fzero() { return _mm256_setzero_ps(); }
+static inline fvec fma_(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline fvec fmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+static inline fvec fsub(fvec a, fvec b) { return _mm256_sub_ps(a, b); }
+static inline fvec load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline fvec load_f(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store_f(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+#define INT8_BIAS 0  // the sign route below computes sum(q a) itself
+static inline ivec dot4_int8(ivec acc, ivec biased, int32_t s8x4) {
+    const ivec q = _mm256_xor_si256(biased, _mm256_set1_epi8((char)0x80));
+    const ivec p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(_mm256_set1_epi32(s8x4), q));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#else
+#error "cpu_quant.cpp needs AVX2 and FMA (or AVX-512 VNNI)"
+#endif
+
+static inline int32_t word(const int8_t* p) { int32_t w; __builtin_memcpy(&w, p, 4); return w; }
+
+// One tile (16 rows) of int4 weights times `mb` (<= MB) quantized activation rows.
+static void int4_tile(const uint8_t* codes, const uint16_t* sz, int64_t groups, const int8_t* a,
+                      const float* d, const int32_t* sum, int64_t k, int mb, float* y, int64_t n) {
+    for (int h = 0; h < HALVES; h++) {
+        fvec acc[MB];
+        for (int i = 0; i < mb; i++) acc[i] = fzero();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t* c = codes + g * 256 + h * LANES * 4;
+            const uint16_t* p = sz + g * 32 + h * LANES;
+            ivec q[8];
+            for (int j = 0; j < 4; j++) {
+                const ivec v = load_i(c + j * 64);
+                q[j] = low4(v);
+                q[j + 4] = high4(v);
+            }
+            const fvec s = load_bf16(p), z = load_bf16(p + 16);
+            const fvec m = fsub(z, fmul(fset(8.f), s));
+            for (int i = 0; i < mb; i++) {
+                const int8_t* ag = a + i * k + g * G;
+                ivec dot = izero();
+                for (int t = 0; t < 8; t++) dot = dot4_int4(dot, q[t], word(ag + 4 * t));
+                const float dg = d[i * groups + g];
+                acc[i] = fma_(to_f(dot), fmul(s, fset(dg)), acc[i]);
+                acc[i] = fma_(m, fset(dg * (float)sum[i * groups + g]), acc[i]);
+            }
+        }
+        for (int i = 0; i < mb; i++) store_f(y + i * n + h * LANES, acc[i]);
+    }
+}
+
+static void int8_tile(const uint8_t* codes, const float* scale, int64_t groups, const int8_t* a,
+                      const float* d, const int32_t* sum, int64_t k, int mb, float* y, int64_t n) {
+    for (int h = 0; h < HALVES; h++) {
+        fvec acc[MB];
+        for (int i = 0; i < mb; i++) acc[i] = fzero();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t* c = codes + g * 512 + h * LANES * 4;
+            ivec q[8];
+            for (int t = 0; t < 8; t++) q[t] = load_i(c + t * 64);
+            for (int i = 0; i < mb; i++) {
+                const int8_t* ag = a + i * k + g * G;
+                ivec dot = izero();
+                for (int t = 0; t < 8; t++) dot = dot4_int8(dot, q[t], word(ag + 4 * t));
+                dot = isub(dot, INT8_BIAS * sum[i * groups + g]);
+                acc[i] = fma_(to_f(dot), fset(d[i * groups + g]), acc[i]);
+            }
+        }
+        const fvec sc = load_f(scale + h * LANES);
+        for (int i = 0; i < mb; i++) store_f(y + i * n + h * LANES, fmul(acc[i], sc));
+    }
+}
+
+// y [m, n] = x [m, k] times the weight; rows of x in passes of MB, tiles of
+// 16 output rows split over torch's intra-op threads (OpenMP: the libgomp
+// torch loaded; at::parallel_for measured 2-18% slower on Gemma's head).
+static at::Tensor cpu_quant_mm(const at::Tensor& input, const at::Tensor& tiles, const at::Tensor& scales) {
+    const at::Tensor x = input.to(at::kFloat).contiguous();
+    const bool int4 = scales.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % G == 0 && tiles.is_contiguous() && scales.is_contiguous() &&
+                    tiles.scalar_type() == at::kByte && tiles.size(1) == x.size(1) / G &&
+                    (int4 || scales.scalar_type() == at::kFloat),
+                "cpu_quant_mm: x [M, K] (K a multiple of 32) and tiles of cpu_quant.pack_int4 / pack_int8");
+    const int64_t m = x.size(0), k = x.size(1), n = tiles.size(0) * 16, groups = k / G;
+    TORCH_CHECK(tiles.numel() == n * k / (int4 ? 2 : 1) && scales.numel() == (int4 ? n * groups * 2 : n),
+                "cpu_quant_mm: tiles or scales of another shape than x's inputs");
+    at::Tensor y = at::empty({m, n}, x.options());
+    std::vector<int8_t> a(m * k);
+    std::vector<float> d(m * groups);
+    std::vector<int32_t> sum(m * groups);
+    quantize_rows(x.data_ptr<float>(), m, k, a.data(), d.data(), sum.data());
+    const uint8_t* codes = tiles.data_ptr<uint8_t>();
+    const void* sc = scales.data_ptr();
+    float* out = y.data_ptr<float>();
+    const int8_t* qa = a.data();
+    const float* qd = d.data();
+    const int32_t* qs = sum.data();
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
+    for (int64_t t = 0; t < n / 16; t++) {
+        for (int64_t i = 0; i < m; i += MB) {
+            const int mb = (int)(m - i < MB ? m - i : MB);
+            if (int4)
+                int4_tile(codes + t * groups * 256, (const uint16_t*)sc + t * groups * 32, groups, qa + i * k,
+                          qd + i * groups, qs + i * groups, k, mb, out + i * n + t * 16, n);
+            else
+                int8_tile(codes + t * groups * 512, (const float*)sc + t * 16, groups, qa + i * k,
+                          qd + i * groups, qs + i * groups, k, mb, out + i * n + t * 16, n);
+        }
+    }
+    return y;
+}
+
+// The activations' Q8 codes, scales and sums, as the products compute them (for tests).
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_quant_q8(const at::Tensor& input) {
+    const at::Tensor x = input.to(at::kFloat).contiguous();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % G == 0, "cpu_quant_q8: x [M, K], K a multiple of 32");
+    at::Tensor a = at::empty(x.sizes(), x.options().dtype(at::kChar));
+    at::Tensor d = at::empty({x.size(0), x.size(1) / G}, x.options());
+    at::Tensor sum = at::empty({x.size(0), x.size(1) / G}, x.options().dtype(at::kInt));
+    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), a.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  sum.data_ptr<int32_t>());
+    return {a, d, sum};
+}
+
+#ifndef PAGEDLM_OPS
+#define PAGEDLM_OPS pagedlm  // the namespace of the ops (tests build the AVX2 path under another)
+#endif
+#define REGISTER(ns) TORCH_LIBRARY_FRAGMENT(ns, lib)
+REGISTER(PAGEDLM_OPS) {
+    lib.def("cpu_quant_mm(Tensor x, Tensor tiles, Tensor scales) -> Tensor");
+    lib.def("cpu_quant_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
+    lib.impl("cpu_quant_mm", c10::DispatchKey::CPU, TORCH_FN(cpu_quant_mm));
+    lib.impl("cpu_quant_q8", c10::DispatchKey::CPU, TORCH_FN(cpu_quant_q8));
+}
