@@ -62,7 +62,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler ($CXX, g++)")
     torch_lib = Path(torch.__file__).parent / "lib"
-    command = [compiler, *flags, "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
+    command = [compiler, *flags, "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-w",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{p}" for p in include_paths()), str(SOURCE),
                f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
@@ -102,6 +102,8 @@ def _library() -> bool:
         return False
     torch.library.register_fake("pagedlm::cpu_quant_mm")(
         lambda x, tiles, scales: x.new_empty(x.shape[0], tiles.shape[0] * TILE, dtype=torch.float32))
+    torch.library.register_fake("pagedlm::decode_attention")(
+        lambda q, k, v, scale: q.new_empty(1, q.shape[1], v.shape[2]))
     return True
 
 

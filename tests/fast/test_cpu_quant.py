@@ -180,3 +180,31 @@ def test_off_switch_keeps_torch_layout(monkeypatch):
     monkeypatch.setenv("PAGEDLM_CPU_QUANT", "0")
     qw = QuantizedWeight.from_stored(quantize(torch.randn(32, 64), "int4"), (32, 64), "cpu")
     assert hasattr(qw, "packed") and not hasattr(qw, "tiles")
+
+
+@pytest.mark.parametrize("heads, dim, length", [((9, 3), 64, 1), ((9, 3), 64, 200), ((4, 1), 256, 700),
+                                                ((8, 8), 64, 64), ((8, 2), 32, 65)])
+def test_decode_attention_is_attention_over_every_key(heads, dim, length):
+    """The compiled one-row step's attention op against float64 softmax
+    attention (query head h on KV head h // group), on strided views like the
+    store's (token-major rows of a longer buffer), one thread and two: the same bits."""
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, hq, dim, generator=g)
+    k, v = (torch.randn(length + 9, hkv, dim, generator=g)[3 : 3 + length] for _ in range(2))
+    kv_head = torch.arange(hq) // (hq // hkv)
+    scores = torch.einsum("hd,shd->hs", q[0].double(), k[:, kv_head].double()) * 0.125
+    ref = torch.einsum("hs,shd->hd", scores.softmax(-1), v[:, kv_head].double())
+    outs = [_call_attention(q, k, v, threads) for threads in (1, 2)]
+    assert outs[0].shape == (1, hq, dim) and torch.allclose(outs[0][0].double(), ref, atol=1e-5, rtol=0)
+    assert torch.equal(outs[0], outs[1])
+
+
+def _call_attention(q, k, v, threads: int) -> torch.Tensor:
+    assert cpu_quant.library()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return torch.ops.pagedlm.decode_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(before)
