@@ -1,4 +1,5 @@
-// Quantized products on the CPU with integer dot products (kernels/cpu_quant.py).
+// Quantized products on the CPU with integer dot products (kernels/cpu_quant.py);
+// at the end, the compiled one-row decode step's attention (decode_attention).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for int4 weights (groups of 32:
 // w = (q - 8) * s + z, q in 0..15, s and z bfloat16, as torch's int4 kernel

@@ -1,4 +1,6 @@
-"""Quantized CPU products with integer dot products (``cpu_quant.cpp``).
+"""Quantized CPU products with integer dot products (``cpu_quant.cpp``), and
+the compiled one-row step's attention (``torch.ops.pagedlm.decode_attention``,
+``batch.compiled``), built in the same library.
 
 torch's int4 CPU kernel converts every weight to float and multiplies it in
 (6-14 GB/s of codes here, bound by that work, not by memory). llama.cpp's
