@@ -27,9 +27,9 @@ parser.add_argument("--repeats", type=int, default=5)
 args = parser.parse_args()
 prompts, gen = [64, 512], 32
 new, tok = load(args.model, quantization=args.mode)[:2]
-os.environ["PAGEDLM_CPU_QUANT"] = "0"
+os.environ[opt.CPU_QUANT_KERNEL_ENV] = "0"
 old = load(args.model, quantization=args.mode)[0]
-del os.environ["PAGEDLM_CPU_QUANT"]
+del os.environ[opt.CPU_QUANT_KERNEL_ENV]
 base = default_store(opt.EngineOptions())
 configs = {"old": (old, base), "new": (new, base)}
 if args.compile:

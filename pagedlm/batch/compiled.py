@@ -54,8 +54,8 @@ import torch.fx.experimental._config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from pagedlm.attention.sdpa import attend_rows
-from pagedlm.kernels import cpu_quant
 from pagedlm.cache.step import StepBatch
+from pagedlm.kernels import cpu_quant
 from pagedlm.kernels.quant import QuantizedWeight
 
 if TYPE_CHECKING:

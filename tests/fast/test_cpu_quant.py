@@ -53,10 +53,15 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _call(namespace: str, x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+    return _on_threads(threads, getattr(torch.ops, namespace).cpu_quant_mm, x, tiles, scales)
+
+
+def _on_threads(threads: int, op, *args) -> torch.Tensor:
+    """``op(*args)`` with torch's intra-op threads (the kernels' OpenMP threads) set to ``threads``."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return getattr(torch.ops, namespace).cpu_quant_mm(x, tiles, scales)
+        return op(*args)
     finally:
         torch.set_num_threads(before)
 
@@ -195,16 +200,7 @@ def test_decode_attention_is_attention_over_every_key(heads, dim, length):
     kv_head = torch.arange(hq) // (hq // hkv)
     scores = torch.einsum("hd,shd->hs", q[0].double(), k[:, kv_head].double()) * 0.125
     ref = torch.einsum("hs,shd->hd", scores.softmax(-1), v[:, kv_head].double())
-    outs = [_call_attention(q, k, v, threads) for threads in (1, 2)]
+    assert cpu_quant.library()
+    outs = [_on_threads(threads, torch.ops.pagedlm.decode_attention, q, k, v, 0.125) for threads in (1, 2)]
     assert outs[0].shape == (1, hq, dim) and torch.allclose(outs[0][0].double(), ref, atol=1e-5, rtol=0)
     assert torch.equal(outs[0], outs[1])
-
-
-def _call_attention(q, k, v, threads: int) -> torch.Tensor:
-    assert cpu_quant.library()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return torch.ops.pagedlm.decode_attention(q, k, v, 0.125)
-    finally:
-        torch.set_num_threads(before)

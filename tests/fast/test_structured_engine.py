@@ -4,6 +4,7 @@ holds the machinery; test_structured.py tests it alone)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -40,7 +41,7 @@ def constrained(kind: dict, **params) -> SamplingParams:
 
 
 def _async(options: EngineOptions, on: bool) -> EngineOptions:
-    return EngineOptions(**{**options.__dict__, "async_scheduling": on})
+    return dataclasses.replace(options, async_scheduling=on)
 
 
 @pytest.mark.parametrize("store", list(STORES))
