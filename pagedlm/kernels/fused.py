@@ -134,21 +134,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return out.view(x.shape) if residual is None else (out.view(x.shape), total.view(x.shape))
 
 
-def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None,
-              eps: float = 0.0, unit_offset: bool = False) -> torch.Tensor:
-    """``apply_rope(RMSNorm(x), (cos, sin))`` per head (the norm optional):
-    ``x`` ``[T, H, D]`` (heads and dims contiguous within a token), ``cos``
-    and ``sin`` ``[T, 1, D]``; a new contiguous ``[T, H, D]``."""
-    return qk_norm_rope(x, x.shape[1], cos, sin, weight, weight, eps, unit_offset)[0]
-
-
 def qk_norm_rope(x: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
                  unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_rope` of q and k in one launch: ``x`` ``[T, Hq + Hkv, D]`` holds
+    """``apply_rope(RMSNorm(x), (cos, sin))`` per head (the norm optional) of
+    q and k in one launch: ``x`` ``[T, Hq + Hkv, D]`` holds
     q's heads then k's (as the fused q/k/v product lays them out), the first
     ``num_q`` normed by ``q_weight``, the rest by ``k_weight`` (both or
-    neither); new contiguous q ``[T, Hq, D]`` and k ``[T, Hkv, D]``."""
+    neither); ``cos`` and ``sin`` ``[T, 1, D]``; new contiguous q ``[T, Hq, D]``
+    and k ``[T, Hkv, D]`` (``num_q = H``: every head normed as q, k empty)."""
     T, H, D = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()

@@ -138,24 +138,18 @@ def apply_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 def qk_norm_rope(qk: torch.Tensor, num_q: int, rows: tuple[torch.Tensor, torch.Tensor],
                  q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_rope` of q and k, whose heads ``qk`` ``[T, Hq + Hkv, D]`` holds in
-    that order (``num_q`` of q): one kernel for both on CUDA."""
+    """``apply_rope(norm(x), rows)`` of q and k (the per-head norms of Qwen3
+    and Gemma 3, or none), whose heads ``qk`` ``[T, Hq + Hkv, D]`` holds in
+    that order (``num_q`` of q): one kernel for both on CUDA
+    (``kernels.fused``), the ops above elsewhere."""
     if fused.enabled(qk):
         if q_norm is None:
             return fused.qk_norm_rope(qk, num_q, *rows)
         return fused.qk_norm_rope(qk, num_q, *rows, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
-    return norm_rope(qk[:, :num_q], rows, q_norm), norm_rope(qk[:, num_q:], rows, k_norm)
-
-
-def norm_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], norm: "RMSNorm | None" = None) -> torch.Tensor:
-    """``apply_rope(norm(x), rows)`` (the per-head norm of Qwen3 and Gemma 3,
-    or none): one fused kernel on CUDA (``kernels.fused``), the ops above
-    elsewhere."""
-    if fused.enabled(x):
-        if norm is None:
-            return fused.norm_rope(x, *rows)
-        return fused.norm_rope(x, *rows, norm.weight, norm.eps, norm.unit_offset)
-    return apply_rope(x if norm is None else norm(x), rows)
+    q, k = qk[:, :num_q], qk[:, num_q:]
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rope(q, rows), apply_rope(k, rows)
 
 
 def _lay_out_for_device(param: nn.Parameter) -> None:

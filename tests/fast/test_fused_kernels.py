@@ -60,8 +60,8 @@ def test_norm_rope_matches_norm_then_rope(with_norm, unit_offset, dtype):
     positions = torch.tensor([0, 1, 2, 50, 51, 300, 1000])
     cos, sin = RoPE(D, 10000.0).rows(positions, 1000, dtype)
     want = apply_rope(norm(k.cpu()) if with_norm else k.cpu(), (cos, sin))
-    got = fused.norm_rope(k, cos.to(DEVICE), sin.to(DEVICE), norm.weight.to(DEVICE) if with_norm else None,
-                          norm.eps, unit_offset)
+    weights = (norm.weight.to(DEVICE),) * 2 if with_norm else (None, None)
+    got = fused.qk_norm_rope(k, Hkv, cos.to(DEVICE), sin.to(DEVICE), *weights, norm.eps, unit_offset)[0]
     assert got.is_contiguous() and close(got.cpu(), want, dtype)
 
 
@@ -98,7 +98,7 @@ def test_rms_norm_with_a_residual_is_the_add_then_the_norm_bit_for_bit(unit_offs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_qk_norm_rope_is_two_norm_ropes_bit_for_bit(with_norm, dtype):
     """q's and k's heads in one launch, each with its own norm weights: the
-    same bits as `norm_rope` of each (and k not normed by q's weights)."""
+    same bits as each alone (all its heads as q; k not normed by q's weights)."""
     T, Hq, Hkv, D = 5, 4, 2, 64
     qkv = randn(T, Hq + 2 * Hkv, D, dtype=dtype, seed=4)
     qk = qkv[:, : Hq + Hkv]
@@ -107,8 +107,8 @@ def test_qk_norm_rope_is_two_norm_ropes_bit_for_bit(with_norm, dtype):
     norms = (wq, wk, 1e-6, False) if with_norm else ()
     q, k = fused.qk_norm_rope(qk, Hq, cos, sin, *norms)
     assert q.shape == (T, Hq, D) and k.shape == (T, Hkv, D) and q.is_contiguous() and k.is_contiguous()
-    want_q = fused.norm_rope(qk[:, :Hq], cos, sin, *((wq, 1e-6, False) if with_norm else ()))
-    want_k = fused.norm_rope(qk[:, Hq:], cos, sin, *((wk, 1e-6, False) if with_norm else ()))
-    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    def alone(x, w):
+        return fused.qk_norm_rope(x, x.shape[1], cos, sin, *((w, w, 1e-6, False) if with_norm else ()))[0]
+    assert torch.equal(q, alone(qk[:, :Hq], wq)) and torch.equal(k, alone(qk[:, Hq:], wk))
     if with_norm:
-        assert not torch.equal(k, fused.norm_rope(qk[:, Hq:], cos, sin, wq, 1e-6, False))
+        assert not torch.equal(k, alone(qk[:, Hq:], wq))
