@@ -268,8 +268,9 @@ class LLMEngine:
         request (llguidance is imported only then)."""
         if self._grammars is None:
             from pagedlm.structured import GrammarCompiler
+            from pagedlm.structured.compiler import default_lanes
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, lanes=default_lanes(self.device.type))
         return self._grammars
 
     def abort(self, seq: Sequence) -> None:

@@ -13,6 +13,7 @@ warning in the log; the engine ends it. It never waits.
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,8 +32,9 @@ class RowMatcher:
     tokenizer's vocabulary if that is wider)."""
 
     def __init__(self, compiled: Future, width: int, label: str = "") -> None:
-        self._compiled = compiled  # resolves to a fresh llguidance.LLMatcher of the grammar
+        self._compiled = compiled  # resolves to the compiler's Grammar
         self._matcher: llguidance.LLMatcher | None = None
+        self.lane = 0  # which of the grammar's compiles it copies (`fill_bitmask`'s thread for it)
         self.width = width
         self.label = label  # names the row in the log (a request id)
         self.error: str | None = None  # why the row is dead
@@ -50,7 +52,7 @@ class RowMatcher:
             if not self._compiled.done():
                 raise RuntimeError("a row was sampled before its grammar compiled: schedule it once ready()")
             try:
-                self._matcher = self._compiled.result().deep_copy()
+                self._matcher, self.lane = self._compiled.result().copy()
             except Exception as e:  # the compile's error, raised in the pool
                 self.fail(f"its grammar did not compile: {e}")
         if self._matcher is not None and self.error is None and self._matcher.is_error():
@@ -149,22 +151,32 @@ def mask_bias(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(_bits(octets).view(rows, -1)[:, :width], 0.0, float("-inf"))
 
 
-_executor: llguidance.LLExecutor | None = None
+MAX_LANES = 8  # a grammar's compiles at most, and the threads that fill a step's masks
+_executors: list[llguidance.LLExecutor] = []  # one a lane, one thread each, made at first use
+_lanes = ThreadPoolExecutor(MAX_LANES, thread_name_prefix="pagedlm-lanes")
 _background = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
 _pending: Future | None = None  # the background fill in flight (one at a time)
 
 
 def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows: list[int]) -> set[int]:
     """llguidance's masks of the live ones of ``matchers[rows]`` into those
-    rows of ``bitmask``; which rows were live."""
-    global _executor
-    live = [(m, j) for j in rows if (m := matchers[j]._live()) is not None]
-    if live:
-        if _executor is None:
-            _executor = llguidance.LLExecutor(num_threads=1)
-        words = bitmask.shape[1]
-        _executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, len(matchers))
-    return {j for _, j in live}
+    rows of ``bitmask``, each lane's rows on a thread of its own (the calling
+    thread where there is one lane); which rows were live."""
+    by_lane: dict[int, list] = {}
+    for j in rows:
+        if (m := matchers[j]._live()) is not None:
+            by_lane.setdefault(matchers[j].lane, []).append((m, j))
+    while len(_executors) <= max(by_lane, default=-1):
+        _executors.append(llguidance.LLExecutor(num_threads=1))
+    words = bitmask.shape[1]
+    fills = [functools.partial(_executors[lane].unsafe_compute_mask_ptr, live, bitmask.ctypes.data, words * 4,
+                               len(matchers)) for lane, live in by_lane.items()]
+    if len(fills) == 1:
+        fills[0]()
+    else:  # llguidance drops the GIL: the lanes fill at once
+        for done in [_lanes.submit(fill) for fill in fills]:
+            done.result()
+    return {j for live in by_lane.values() for _, j in live}
 
 
 def _zeros(matchers: list[RowMatcher]) -> np.ndarray:
@@ -194,21 +206,17 @@ def prefetch_bitmasks(matchers: list[RowMatcher]) -> None:
 
 def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
-    by llguidance's executor on one thread; a row `prefetch_bitmasks` filled
-    for the matcher's state is taken from there), and per row whether any
-    token is allowed (False: dead, its row all zeros).
+    by llguidance's executors, a thread a lane: `Grammar`; a row
+    `prefetch_bitmasks` filled for the matcher's state is taken from there),
+    and per row whether any token is allowed (False: dead, its row all zeros).
 
     Host work in numpy, not torch: a torch op on the CPU this size wakes
     torch's intra-op threads, which spin for a while beside llguidance's (a
     `benchmarks/mask_fill.py` whose own bookkeeping ran in torch filled 16
-    rows in 2.4 ms on this 2-core machine, 1.2 ms with one torch thread). One thread: on
-    the H200 host's 16 cores, 64 rows in new states of a JSON schema (random
-    weights) filled in 4.7 ms on one thread, 7.2 on 4, 7.7 on 12 (the
-    default, 80% of the cores), 10.4 on 16 (`benchmarks/mask_fill.py`,
-    RESULTS.md; measured before the fill left torch)."""
+    rows in 2.4 ms on this 2-core machine, 1.2 ms with one torch thread)."""
     global _pending
     bitmask = _zeros(matchers)
-    if _pending is not None:  # one fill at a time on the executor
+    if _pending is not None:  # one fill at a time on the executors
         _pending.result()
         _pending = None
     filled, todo = set(), []

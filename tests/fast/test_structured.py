@@ -414,6 +414,43 @@ def test_a_mask_filled_ahead_is_taken_only_for_the_state_it_was_filled_for(setup
     assert torch.equal(got[2], again[2]) and not torch.equal(got[2], fresh[2])
 
 
+def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
+    """A grammar compiled in three lanes (rows copy the compiles in turn and
+    each lane's rows fill on a thread of their own) gives every row the bits
+    that rows of one compile get, step after step, rows of two constraints
+    and a dead row among them, and each row's own `fill` agrees."""
+    import numpy as np
+
+    from pagedlm.structured.matcher import fill_bitmask
+
+    tokenizer, one = setup
+    three = GrammarCompiler(tokenizer, one.vocab_size, lanes=3)
+    constraints = [Constraint(json=SCHEMAS[i % 2]).validate() for i in range(7)]
+    rows = {c: [c.matcher(k, label=str(i)) for i, k in enumerate(constraints)] for c in (one, three)}
+    for m in rows[one] + rows[three]:
+        wait_ready_matcher(m)
+    rng = np.random.default_rng(0)
+    for step in range(12):
+        got = {c: fill_bitmask(ms) for c, ms in rows.items()}
+        if step == 0:
+            assert [m.lane for m in rows[three]] == [0, 0, 1, 1, 2, 2, 0]  # each grammar in turn
+            assert {m.lane for m in rows[one]} == {0}
+        assert torch.equal(got[one][0], got[three][0]) and got[one][1] == got[three][1]
+        for j, m in enumerate(rows[three]):
+            own = torch.zeros_like(got[three][0][j])
+            assert m.fill(own) == got[three][1][j] and torch.equal(own, got[three][0][j])
+        for j, live in enumerate(got[one][1]):
+            if step == 5 and j == 3:  # one row dies (in both): its lane's other rows go on
+                for c in rows:
+                    rows[c][j].fail("test")
+            elif live and not rows[one][j].is_finished:
+                bits = np.unpackbits(got[one][0][j].numpy().view(np.uint8), bitorder="little")
+                token = int(rng.choice(np.flatnonzero(bits)))
+                for c in rows:
+                    rows[c][j].advance(token)
+    assert not got[three][1][3] and any(got[three][1])
+
+
 def wait_ready(seq: Sequence) -> None:
     wait_ready_matcher(seq.matcher)
 
