@@ -26,8 +26,8 @@ bench() {  # output file, limit, bench arguments...
   (cd "$NOW" && PYTHONPATH=.:${LIB:-} timeout "$limit" python3 -m pagedlm.cli bench "$@" --json 2>>"$OUT/bench.err") \
     | grep '^{' | tee -a "$OUT/$file"
 }
-grammar_lib() {  # llguidance from its carried wheel, on LIB
-  LIB=/tmp/pylib; [ -d $LIB/llguidance ] || { mkdir -p $LIB && python3 -m zipfile -e "$CARRY"/llguidance-*.whl $LIB; }
+grammar_lib() {  # llguidance (and gguf, for the tests) from their carried wheels, on LIB
+  LIB=/tmp/pylib; [ -d $LIB/llguidance ] || { mkdir -p $LIB && for w in "$CARRY"/*.whl; do python3 -m zipfile -e "$w" $LIB; done; }
 }
 if has tests; then
   ls "$CARRY"/llguidance-*.whl >/dev/null 2>&1 && grammar_lib  # the grammar tests run where the wheel travels

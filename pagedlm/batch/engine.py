@@ -109,6 +109,9 @@ class InFlight:
     tokens: torch.Tensor  # [S] on the device
     host: torch.Tensor  # [S] their copy to the host, done once ``ready`` is
     ready: "torch.cuda.Event | None"
+    # Its grammar rows' masks took longer to fill than its forward pass took to run: the next step
+    # lands it first, so that the masks after it fill while that step is prepared and launched.
+    fill_outran: bool = False
 
 
 # Verify steps of up to this many rows replay graphs (larger ones run eagerly): the graphs hold
@@ -320,14 +323,21 @@ class LLMEngine:
         last token (a row that step gave it is computed and discarded; one
         that ends by max_tokens is not scheduled again). A step with grammar
         rows lands its predecessor before its picks (their masks need that
-        token), while the device runs its forward pass. The tokens are the
-        same as without it."""
+        token), while the device runs its forward pass; where the fill of
+        those masks outlasted the forward pass, the next step lands it at its
+        start instead and fills the masks after it in the background while it
+        schedules, prepares and launches (the device waits meanwhile, but the
+        fill overlaps the host's work too). The tokens are the same as without it."""
         inflight, self._inflight = self._inflight, None
+        landed = []
+        if inflight is not None and inflight.fill_outran:  # (the device has its picks left at most)
+            landed, inflight = self._land(inflight, {}), None
+            self._prefetch_masks()
         if self.proposer is not None:
             self._propose()
         rows = self.scheduler.schedule()
         if not rows:
-            return self._land(inflight, {}) if inflight is not None else []
+            return landed + (self._land(inflight, {}) if inflight is not None else [])
         now = time.perf_counter()
         for seq, _ in rows:
             if seq.first_scheduled is None:
@@ -368,7 +378,7 @@ class LLMEngine:
                 outputs += self._settle(rows, sampled, emitted, first, logits)
         if self._grammars is not None and self.prefetch_masks and self._inflight is None:
             self._prefetch_masks()
-        return outputs
+        return landed + outputs
 
     def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
         """The step may be left in flight: its tokens are picked on the device
@@ -383,11 +393,15 @@ class LLMEngine:
         hold every token before this step's). Also the responses of the rows
         whose grammar allows nothing (they end, "error")."""
         constrained = [i for i, seq in enumerate(sampled) if seq.matcher is not None and not seq.is_finished]
-        dead = []
+        dead, outran = [], False
         if constrained:
             from pagedlm.structured import masked_logits
 
+            forward = torch.cuda.Event() if logits.is_cuda else None
+            if forward is not None:
+                forward.record()
             bitmask, live = grammar_masks([sampled[i] for i in constrained])
+            outran = forward is not None and forward.query()
             rows = to_device(constrained, torch.long, logits.device)
             masked, live = masked_logits(logits.index_select(0, rows), [sampled[i].matcher for i in constrained],
                                          (to_device(bitmask.numpy(), torch.int32, logits.device), live))
@@ -402,7 +416,7 @@ class LLMEngine:
             ready.record()
         else:
             host = tokens
-        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready), dead
+        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready, outran), dead
 
     def _advance(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> None:
         """After launching an overlapped step: its rows' keys count as computed,
