@@ -12,8 +12,13 @@ states it has just seen (what llguidance caches between two fills of one
 state). One lane is what every row copying one compile gets: llguidance's
 copies share its lexer behind a lock, so more threads did not help them.
 
+``WALK=text``: each row writes the tokens of a plausible person instead
+(`_people`: names, ages, addresses, cities and hobbies from short lists,
+compact JSON, the default schema), what a trained model's outputs look
+like to the grammar: states recur from row to row and step to step.
+
 Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
-(LANES="1 2 4 8" and FILL_STEPS in the environment).
+(LANES="1 2 4 8", WALK=random|text and FILL_STEPS in the environment).
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ def main() -> None:
     steps = int(os.environ.get("FILL_STEPS", "30"))
     tokenizer = Tokenizer.from_folder(folder)
     constraint = Constraint(json=schema)
+    walk = os.environ.get("WALK", "random")
+    texts = [tokenizer.encode(t, add_special_tokens=False) for t in _people(rows)] if walk == "text" else None
+    if texts:
+        steps = min(steps, min(len(t) for t in texts))
     for lanes in [int(n) for n in os.environ.get("LANES", "1 2 4 8").split()]:
         compiler = GrammarCompiler(tokenizer, vocab, lanes=lanes)
         matchers = [compiler.matcher(constraint) for _ in range(rows)]
@@ -45,7 +54,7 @@ def main() -> None:
             time.sleep(0.01)
         rng = random.Random(0)
         fresh = again = cpu = 0.0
-        for _ in range(steps):
+        for step in range(steps):
             t0, c0 = time.perf_counter(), time.process_time()
             bitmask, live = fill_bitmask(matchers)
             fresh += time.perf_counter() - t0
@@ -57,12 +66,29 @@ def main() -> None:
             allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
             for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
                 if live[j] and not m.is_finished:
-                    m.advance(rng.choice(np.flatnonzero(allowed[j]).tolist()))
-        print(json.dumps({"rows": rows, "lanes": lanes, "vocab": vocab, "steps": steps,
+                    m.advance(texts[j][step] if texts else rng.choice(np.flatnonzero(allowed[j]).tolist()))
+        print(json.dumps({"rows": rows, "lanes": lanes, "walk": walk, "vocab": vocab, "steps": steps,
+                          "dead": sum(m.is_dead for m in matchers),
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "fill_cpu_ms_per_step": round(1000 * cpu / steps, 3),  # all threads: > wall if parallel
                           "fill_again_ms_per_step": round(1000 * again / steps, 3),
                           "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}), flush=True)
+
+
+def _people(n: int) -> list[str]:
+    """``n`` people of the default schema as compact JSON, no two alike."""
+    first = ["Ada", "Alan", "Grace", "Linus", "Edsger", "Barbara", "Donald", "Margaret", "Dennis", "Frances"]
+    last = ["Lovelace", "Turing", "Hopper", "Torvalds", "Dijkstra", "Liskov", "Knuth", "Hamilton", "Ritchie"]
+    cities = ["London", "Paris", "Berlin", "New York", "Tokyo", "Madrid", "Toronto", "Sydney", "Lisbon"]
+    hobbies = ["chess", "hiking", "reading", "cooking", "cycling", "painting", "music", "gardening"]
+    rng = random.Random(1)
+    out = []
+    for i in range(n):
+        f, surname = rng.choice(first), rng.choice(last)
+        out.append(json.dumps({"name": f"{f} {surname}", "age": rng.randint(18, 90),
+                               "email": f"{f.lower()}.{surname.lower()}{i}@example.com", "city": rng.choice(cities),
+                               "hobbies": rng.sample(hobbies, rng.randint(1, 3))}, separators=(",", ":")))
+    return out
 
 
 if __name__ == "__main__":
