@@ -6,7 +6,7 @@
 #   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
 #           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel;
 #           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
-#   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each)
+#   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each), WALKS random text
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
 #   ab      the 256-prompt workload with --async-scheduling and --no-async-scheduling, interleaved, ROUNDS rounds
@@ -51,8 +51,10 @@ if has mask; then
 fi
 if has maskfill; then  # the host's fill alone, by lanes (benchmarks/mask_fill.py)
   grammar_lib
-  (cd "$NOW" && PYTHONPATH=.:$LIB LANES="${LANES:-1 2 4 8}" timeout 200 python3 benchmarks/mask_fill.py "$CARRY/smollm2-tok" 151936 64) \
-    2>>"$OUT/bench.err" | tee "$OUT/mask_fill.jsonl"
+  for walk in ${WALKS:-random text}; do
+    (cd "$NOW" && PYTHONPATH=.:$LIB LANES="${LANES:-1 2 4 8}" WALK=$walk timeout 200 python3 benchmarks/mask_fill.py \
+      "$CARRY/smollm2-tok" 151936 64) 2>>"$OUT/bench.err" | tee -a "$OUT/mask_fill.jsonl"
+  done
 fi
 if has decode; then
   for cfg in ${SHAPES:-gemma3-270m qwen3-0.6b llama-3.1-8b}; do
