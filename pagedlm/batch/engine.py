@@ -272,8 +272,11 @@ class LLMEngine:
         if self._grammars is None:
             from pagedlm.structured import GrammarCompiler
             from pagedlm.structured.compiler import default_lanes
+            from pagedlm.structured.matcher import hand_off_the_gil_quickly
 
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, lanes=default_lanes(self.device.type))
+            if self.prefetch_masks:  # the fill in the background overlaps the step's Python work
+                hand_off_the_gil_quickly()
         return self._grammars
 
     def abort(self, seq: Sequence) -> None:

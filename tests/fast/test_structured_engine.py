@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -16,6 +17,7 @@ from pagedlm.batch.sequence import PENDING
 from pagedlm.options import EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
 from pagedlm.structured import Constraint
+from pagedlm.structured.matcher import GIL_SWITCH_S
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -97,8 +99,14 @@ def test_masks_filled_ahead_on_a_background_thread_give_the_same_tokens(model, t
                                                                    seed=steps)))
         return [[(s.output_ids, s.finish_reason) for s in group] for group in seqs], taken
 
-    plain, none_ahead = outputs(False)
-    ahead, taken = outputs(True)
+    switch = sys.getswitchinterval()
+    try:
+        plain, none_ahead = outputs(False)
+        assert sys.getswitchinterval() == switch  # no background fill: the GIL is left as it was
+        ahead, taken = outputs(True)
+        assert sys.getswitchinterval() == pytest.approx(min(switch, GIL_SWITCH_S))  # the fill gets the GIL in 0.1 ms
+    finally:
+        sys.setswitchinterval(switch)
     assert ahead == plain and not any(none_ahead)
     assert sum(taken) > len(taken) / 2 and not all(taken)
 
