@@ -49,7 +49,8 @@ def default_lanes(device: str) -> int:
     the CPU (the forward pass takes every core), else half the cores this
     process may run on, at most `MAX_LANES` (the rest stay with the step's
     own thread and torch's)."""
-    return 1 if device == "cpu" else max(1, min(MAX_LANES, len(os.sched_getaffinity(0)) // 2))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (Linux)
+    return 1 if device == "cpu" else max(1, min(MAX_LANES, cores // 2))
 
 
 class Grammar:
