@@ -1,0 +1,61 @@
+"""Where a grammar step's fill time goes in the engine: `pagedlm bench ...`
+run in this process with two counters added, printed as one JSON line at
+exit after the bench's own rows:
+
+- ``early``: steps that began by landing the step in flight because its
+  masks' fill had outlasted its forward pass (`InFlight.fill_outran`),
+  out of ``steps``;
+- ``fill_rows_ms``: `structured.matcher._fill_rows` calls by thread (the
+  step's own, or the background prefetch) and row count: how many, and
+  their median ms (the rows' fill itself, without waiting for a prefetch).
+
+Usage (the bench's arguments after the script; OMP_NUM_THREADS to vary
+torch's intra-op threads): PYTHONPATH=. python3 benchmarks/mask_steps.py
+bench throughput --random-weights --model DIR --device cuda --json-schema
+FILE --structured-batch-sizes 16 64 --json
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import statistics
+import sys
+import threading
+import time
+
+import pagedlm.batch.engine as engine_module
+import pagedlm.structured.matcher as matcher_module
+from pagedlm.cli import main
+
+counts = {"steps": 0, "early": 0}
+fills: dict[str, list[float]] = {}
+_step, _fill_rows = engine_module.LLMEngine.step, matcher_module._fill_rows
+
+
+def step(self):
+    counts["steps"] += 1
+    counts["early"] += self._inflight is not None and self._inflight.fill_outran
+    return _step(self)
+
+
+def fill_rows(bitmask, matchers, rows):
+    rows = list(rows)
+    t0 = time.perf_counter()
+    try:
+        return _fill_rows(bitmask, matchers, rows)
+    finally:
+        key = f"{threading.current_thread().name.split('_')[0]}:{len(rows)} rows"
+        fills.setdefault(key, []).append(time.perf_counter() - t0)
+
+
+@atexit.register
+def report() -> None:
+    print(json.dumps({**counts, "fill_rows_ms": {k: [len(v), round(1000 * statistics.median(v), 3)]
+                                                 for k, v in sorted(fills.items())}}), flush=True)
+
+
+if __name__ == "__main__":
+    engine_module.LLMEngine.step = step
+    matcher_module._fill_rows = fill_rows
+    sys.exit(main(sys.argv[1:]))
