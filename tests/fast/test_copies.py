@@ -1,6 +1,6 @@
 """``to_device``: the values and dtype that torch's own conversion gives,
 from lists, nested lists and numpy arrays of another dtype (numpy converts
-them now, on one thread)."""
+them now, on one thread), on the CPU and, where there is one, on CUDA."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 @pytest.mark.parametrize("values,dtype", CASES, ids=[f"{i}-{d}" for i, (_, d) in enumerate(CASES)])
-def test_to_device_gives_torch_conversion(values, dtype):
-    got = to_device(values, dtype, "cpu")
+def test_to_device_gives_torch_conversion(values, dtype, device):
+    got = to_device(values, dtype, device)  # on CUDA: through pinned memory, numpy's copy or torch's
     want = torch.from_numpy(np.asarray(values)).to(dtype)
-    assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want)
+    assert got.device.type == device and got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got.cpu(), want)
