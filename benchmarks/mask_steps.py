@@ -2,9 +2,10 @@
 run in this process with two counters added, printed as one JSON line at
 exit after the bench's own rows:
 
-- ``early``: steps that began by landing the step in flight because its
-  masks' fill had outlasted its forward pass (`InFlight.fill_outran`),
-  out of ``steps``;
+- ``deferred``: steps that left their pick to the next step, their grammar
+  rows' masks filling in the background meanwhile (`InFlight.logits`), out
+  of ``steps``; ``DEFER=0`` in the environment picks in the step instead
+  (the engine's ``prefetch_masks`` off), for an A/B in one tree;
 - ``fill_rows_ms``: `structured.matcher._fill_rows` calls by thread (the
   step's own, or the background prefetch) and row count: how many, and
   their median ms (the rows' fill itself, without waiting for a prefetch).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import statistics
 import sys
 import threading
@@ -28,15 +30,18 @@ import pagedlm.batch.engine as engine_module
 import pagedlm.structured.matcher as matcher_module
 from pagedlm.cli import main
 
-counts = {"steps": 0, "early": 0}
+counts = {"steps": 0, "deferred": 0}
 fills: dict[str, list[float]] = {}
 _step, _fill_rows = engine_module.LLMEngine.step, matcher_module._fill_rows
 
 
 def step(self):
+    if os.environ.get("DEFER") == "0":
+        self.prefetch_masks = False
+    out = _step(self)
     counts["steps"] += 1
-    counts["early"] += self._inflight is not None and self._inflight.fill_outran
-    return _step(self)
+    counts["deferred"] += self._inflight is not None and self._inflight.logits is not None
+    return out
 
 
 def fill_rows(bitmask, matchers, rows):
@@ -51,8 +56,8 @@ def fill_rows(bitmask, matchers, rows):
 
 @atexit.register
 def report() -> None:
-    print(json.dumps({**counts, "fill_rows_ms": {k: [len(v), round(1000 * statistics.median(v), 3)]
-                                                 for k, v in sorted(fills.items())}}), flush=True)
+    by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
+    print(json.dumps({**counts, "defer": os.environ.get("DEFER") != "0", "fill_rows_ms": by_thread}), flush=True)
 
 
 if __name__ == "__main__":

@@ -106,12 +106,12 @@ class InFlight:
 
     sampled: list[Sequence]  # the sequences it samples, in order
     index: dict[int, int]  # sequence id -> its token's place in ``tokens``
-    tokens: torch.Tensor  # [S] on the device
-    host: torch.Tensor  # [S] their copy to the host, done once ``ready`` is
-    ready: "torch.cuda.Event | None"
-    # Its grammar rows' masks took longer to fill than its forward pass took to run: the next step
-    # lands it first, so that the masks after it fill while that step is prepared and launched.
-    fill_outran: bool = False
+    tokens: torch.Tensor | None  # [S] on the device (None until a deferred pick runs)
+    host: torch.Tensor | None  # [S] their copy to the host, done once ``ready`` is
+    ready: "torch.cuda.Event | None" = None
+    # A step with grammar rows defers its pick: its logits wait, the rows' masks fill in the
+    # background, and the next step picks once it has prepared its inputs (`LLMEngine._picked`).
+    logits: torch.Tensor | None = None
 
 
 # Verify steps of up to this many rows replay graphs (larger ones run eagerly): the graphs hold
@@ -325,28 +325,30 @@ class LLMEngine:
         step, and a sequence ends one step after the one that sampled its
         last token (a row that step gave it is computed and discarded; one
         that ends by max_tokens is not scheduled again). A step with grammar
-        rows lands its predecessor before its picks (their masks need that
-        token), while the device runs its forward pass; where the fill of
-        those masks outlasted the forward pass, the next step lands it at its
-        start instead and fills the masks after it in the background while it
-        schedules, prepares and launches (the device waits meanwhile, but the
-        fill overlaps the host's work too). The tokens are the same as without it."""
+        rows lands its predecessor before it picks (their masks need that
+        token), after launching its forward pass; with ``prefetch_masks`` (on
+        CUDA) it then leaves its pick to the next step, its rows' masks
+        filling in the background meanwhile: the next step schedules and
+        prepares, picks (the fill overlapped all that host work), then
+        launches. The tokens are the same as without it."""
         inflight, self._inflight = self._inflight, None
-        landed = []
-        if inflight is not None and inflight.fill_outran:  # (the device has its picks left at most)
-            landed, inflight = self._land(inflight, {}), None
-            self._prefetch_masks()
+        dead: list[GenerationResponse] = []  # rows of a deferred pick whose grammar allowed nothing
         if self.proposer is not None:
             self._propose()
         rows = self.scheduler.schedule()
         if not rows:
-            return landed + (self._land(inflight, {}) if inflight is not None else [])
+            if inflight is None:
+                return []
+            self._picked(inflight, dead)
+            return self._end(dead, {}) + self._land(inflight, {})
         now = time.perf_counter()
         for seq, _ in rows:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
         step = prepare_step(rows, self.device, self.blocks,
-                            None if inflight is None else (inflight.index, inflight.tokens))
+                            None if inflight is None else (inflight.index, lambda: self._picked(inflight, dead)))
+        if inflight is not None:  # (a step that fed none of its tokens picks them here)
+            self._picked(inflight, dead)
         sampled = [rows[r][0] for r in step.sampling_rows]
         overlap = self.async_scheduling and self._may_overlap(rows, sampled)
         logits = launched = None
@@ -364,24 +366,32 @@ class LLMEngine:
             self.store.end_step()
             self._steps += 1
             current = dict(rows)
+            outputs = self._end(dead, current)
             # An overlapped step launches its picks, then lands the step in flight; but a grammar row's
             # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
-            land_first = not overlap or any(seq.matcher is not None for seq in sampled)
-            outputs = self._land(inflight, current) if inflight is not None and land_first else []
+            grammar = [seq for seq in sampled if seq.matcher is not None]
+            land_first = not overlap or bool(grammar)
+            if inflight is not None and land_first:
+                outputs += self._land(inflight, current)
             if overlap:
-                if sampled:
-                    launched, dead = self._launch(logits, sampled)
-                    outputs += self._end(dead, current)
+                if grammar and self.prefetch_masks:  # the pick waits for masks filled in the background
+                    launched = InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, None, None,
+                                        logits=logits)
+                    self._prefetch_masks([seq.matcher for seq in grammar if not seq.is_finished])
+                elif sampled:
+                    launched, ended = self._launch(logits, sampled)
+                    outputs += self._end(ended, current)
                 if inflight is not None and not land_first:
-                    outputs = self._land(inflight, current)
+                    outputs += self._land(inflight, current)
                 self._advance(rows, sampled)
                 self._inflight = launched
             else:
                 emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
                 outputs += self._settle(rows, sampled, emitted, first, logits)
         if self._grammars is not None and self.prefetch_masks and self._inflight is None:
-            self._prefetch_masks()
-        return landed + outputs
+            self._prefetch_masks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
+                                  and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1])
+        return outputs
 
     def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
         """The step may be left in flight: its tokens are picked on the device
@@ -390,26 +400,37 @@ class LLMEngine:
                 and all(picks_on_device(seq) and seq.params.logprobs is None and seq.params.max_tokens > 0
                         for seq in sampled))
 
+    def _picked(self, inflight: InFlight, dead: list[GenerationResponse]) -> torch.Tensor:
+        """``inflight``'s tokens on the device, picked now if its pick was
+        deferred (the responses of rows that die then join ``dead``)."""
+        if inflight.logits is not None:
+            launched, ended = self._launch(inflight.logits, inflight.sampled)
+            inflight.tokens, inflight.host, inflight.ready, inflight.logits = (launched.tokens, launched.host,
+                                                                               launched.ready, None)
+            dead += ended
+        return inflight.tokens
+
     def _launch(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[InFlight, list[GenerationResponse]]:
         """Pick the step's tokens on the device and start their copy to the
         host; grammar rows pick within their masks, filled now (their matchers
         hold every token before this step's). Also the responses of the rows
-        whose grammar allows nothing (they end, "error")."""
+        whose grammar allows nothing (they end, "error"; a token the step's
+        successor holds for them, `PENDING`, is dropped)."""
         constrained = [i for i, seq in enumerate(sampled) if seq.matcher is not None and not seq.is_finished]
-        dead, outran = [], False
+        dead = []
         if constrained:
             from pagedlm.structured import masked_logits
 
-            forward = torch.cuda.Event() if logits.is_cuda else None
-            if forward is not None:
-                forward.record()
             bitmask, live = grammar_masks([sampled[i] for i in constrained])
-            outran = forward is not None and forward.query()
             rows = to_device(constrained, torch.long, logits.device)
             masked, live = masked_logits(logits.index_select(0, rows), [sampled[i].matcher for i in constrained],
                                          (to_device(bitmask.numpy(), torch.int32, logits.device), live))
             logits = logits.index_copy(0, rows, masked)
-            dead = [self._end_without_token(sampled[i], "error") for i, ok in zip(constrained, live) if not ok]
+            for i, ok in zip(constrained, live):
+                if not ok:
+                    if sampled[i].pending:
+                        sampled[i].output_ids.pop()
+                    dead.append(self._end_without_token(sampled[i], "error"))
         tokens = pick_on_device(logits, sampled)
         ready = None
         if tokens.is_cuda:
@@ -419,7 +440,7 @@ class LLMEngine:
             ready.record()
         else:
             host = tokens
-        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready, outran), dead
+        return InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, tokens, host, ready), dead
 
     def _advance(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> None:
         """After launching an overlapped step: its rows' keys count as computed,
@@ -507,12 +528,12 @@ class LLMEngine:
                     self.proposer.release(out.seq.seq_id)
         return outputs
 
-    def _prefetch_masks(self) -> None:
-        """Start the next masks of the running grammar rows that decode next."""
+    @staticmethod
+    def _prefetch_masks(matchers: list) -> None:
+        """Start filling ``matchers``' next masks in the background."""
         from pagedlm.structured.matcher import prefetch_bitmasks
 
-        prefetch_bitmasks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
-                           and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1])
+        prefetch_bitmasks(matchers)
 
     def _pick(self, logits: torch.Tensor | None, sampled: list[Sequence]) -> tuple[list, list[int]]:
         """The tokens each sampled row emits (None: its grammar allows none)
