@@ -230,6 +230,105 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_quant_q8(const at::Ten
 // values per query head, merged in a fixed order (the same bits on any
 // thread count).
 enum { KB = 64 };
+
+#if defined(__AVX512F__)
+// y[i] = the sum of x[i]'s 16 lanes: four levels of adding shuffled pairs
+// (a horizontal sum per key would cost twice the key's products at D = 64),
+// which leave key 4m + b in lane 4b + m; one permutation puts it in lane 4m + b.
+static inline __m512 sums16(const __m512* x) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  // 128-bit blocks: [a0 + a2, a1 + a3, b0 + b2, b1 + b3]
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  // block b: 4 partial sums of key 4i + b
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    const __m512 v01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    const __m512 v23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
+}
+
+// exp(x) for x <= 0, 16 at a time (glibc's expf is scalar without -ffast-math):
+// x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative
+// error < 1e-8 there), times 2^n by scalef; below -87 (e^-87 ~ 1.6e-38) it
+// flushes to e^-87, which a sum that holds the maximum's 1 cannot see.
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One split of decode_attention: query heads q [g][D] (g <= 16) over n <= KB
+// keys k and values v (rows ks and vs apart) of their KV head; per head its
+// maximum, its sum of exp and its weighted values into dst (rows of width).
+// D and Dv multiples of 16. Scores 16 keys at a time (sums16); the values in
+// slabs of 4 vectors by 4 heads, their accumulators in registers.
+static void attend_split(const float* q, int64_t g, int64_t D, const float* k, int64_t ks, const float* v,
+                         int64_t vs, int64_t Dv, int64_t n, float sc, float* dst, int64_t width) {
+    alignas(64) float p[16][KB];
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        const int64_t cnt = n - c0 < 16 ? n - c0 : 16;
+        const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
+        for (int64_t j = 0; j < g; j++) {
+            const float* qj = q + j * D;
+            __m512 acc[16];
+            for (int64_t m = 0; m < 16; m++) {
+                __m512 a = _mm512_setzero_ps();
+                if (m < cnt) {
+                    const float* kr = k + (c0 + m) * ks;
+                    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(kr + d), a);
+                }
+                acc[m] = a;
+            }
+            const __m512 y = _mm512_mul_ps(sums16(acc), _mm512_set1_ps(sc));
+            _mm512_store_ps(p[j] + c0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), y));
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {
+        __m512 big = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < n; c0 += 16) big = _mm512_max_ps(big, _mm512_load_ps(p[j] + c0));
+        const float m = _mm512_reduce_max_ps(big);
+        for (int64_t c0 = 0; c0 < n; c0 += 16) {
+            const int64_t cnt = n - c0 < 16 ? n - c0 : 16;
+            const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1),
+                                                 exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(p[j] + c0), _mm512_set1_ps(m))));
+            _mm512_store_ps(p[j] + c0, e);
+            total = _mm512_add_ps(total, e);
+        }
+        dst[j * width] = m;
+        dst[j * width + 1] = _mm512_reduce_add_ps(total);
+    }
+    for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+        const int64_t nv = (Dv - d0) / 16 < 4 ? (Dv - d0) / 16 : 4;
+        for (int64_t j0 = 0; j0 < g; j0 += 4) {
+            const int64_t nj = g - j0 < 4 ? g - j0 : 4;
+            __m512 acc[4][4];
+            for (int jj = 0; jj < 4; jj++)
+                for (int c = 0; c < 4; c++) acc[jj][c] = _mm512_setzero_ps();
+            for (int64_t s = 0; s < n; s++) {
+                const float* vr = v + s * vs + d0;
+                __m512 vv[4];
+                for (int c = 0; c < 4; c++) vv[c] = c < nv ? _mm512_loadu_ps(vr + 16 * c) : _mm512_setzero_ps();
+                for (int jj = 0; jj < 4; jj++) {
+                    if (jj >= nj) break;
+                    const __m512 w = _mm512_set1_ps(p[j0 + jj][s]);
+                    for (int c = 0; c < 4; c++) acc[jj][c] = _mm512_fmadd_ps(w, vv[c], acc[jj][c]);
+                }
+            }
+            for (int jj = 0; jj < nj; jj++)
+                for (int c = 0; c < nv; c++) _mm512_storeu_ps(dst + (j0 + jj) * width + 2 + d0 + 16 * c, acc[jj][c]);
+        }
+    }
+}
+#endif
+
 static at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k, const at::Tensor& v, double scale) {
     TORCH_CHECK(query.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                     query.dim() == 3 && query.size(0) == 1 && k.dim() == 3 && v.dim() == 3 &&
@@ -244,9 +343,19 @@ static at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k,
     const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
     const float sc = (float)scale;
     float* parts = part.data();
+#if defined(__AVX512F__)
+    const bool vector = D % 16 == 0 && Dv % 16 == 0 && g <= 16;
+#endif
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
     for (int64_t item = 0; item < Hkv * nb; item++) {
         const int64_t h = item / nb, s0 = (item % nb) * KB, s1 = s0 + KB < S ? s0 + KB : S;
+#if defined(__AVX512F__)
+        if (vector) {
+            attend_split(qp + h * g * D, g, D, kp + s0 * ks + h * kh, ks, vp + s0 * vs + h * vh, vs, Dv, s1 - s0, sc,
+                         parts + item * g * width, width);
+            continue;
+        }
+#endif
         float scores[KB];
         for (int64_t j = 0; j < g; j++) {
             const float* qh = qp + (h * g + j) * D;

@@ -189,10 +189,15 @@ def test_off_switch_keeps_torch_layout(monkeypatch):
 
 @pytest.mark.parametrize("heads, dim, length", [((9, 3), 64, 1), ((9, 3), 64, 200), ((4, 1), 256, 700),
                                                 ((8, 8), 64, 64), ((8, 2), 32, 65)])
-def test_decode_attention_is_attention_over_every_key(heads, dim, length):
+@pytest.mark.parametrize("ns", ["pagedlm", "pagedlm_avx2"])
+def test_decode_attention_is_attention_over_every_key(heads, dim, length, ns):
     """The compiled one-row step's attention op against float64 softmax
     attention (query head h on KV head h // group), on strided views like the
-    store's (token-major rows of a longer buffer), one thread and two: the same bits."""
+    store's (token-major rows of a longer buffer), one thread and two: the same
+    bits. Both builds: AVX-512's vector splits (16 keys' scores at once, its
+    own exp) and the AVX2 build's plain loops."""
+    if ns not in _namespaces():
+        pytest.skip("no AVX2 on this CPU")
     hq, hkv = heads
     g = torch.Generator().manual_seed(length)
     q = torch.randn(1, hq, dim, generator=g)
@@ -201,6 +206,6 @@ def test_decode_attention_is_attention_over_every_key(heads, dim, length):
     scores = torch.einsum("hd,shd->hs", q[0].double(), k[:, kv_head].double()) * 0.125
     ref = torch.einsum("hs,shd->hd", scores.softmax(-1), v[:, kv_head].double())
     assert cpu_quant.library()
-    outs = [_on_threads(threads, torch.ops.pagedlm.decode_attention, q, k, v, 0.125) for threads in (1, 2)]
+    outs = [_on_threads(threads, getattr(torch.ops, ns).decode_attention, q, k, v, 0.125) for threads in (1, 2)]
     assert outs[0].shape == (1, hq, dim) and torch.allclose(outs[0][0].double(), ref, atol=1e-5, rtol=0)
     assert torch.equal(outs[0], outs[1])
