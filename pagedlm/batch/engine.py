@@ -366,7 +366,7 @@ class LLMEngine:
             self.store.end_step()
             self._steps += 1
             current = dict(rows)
-            outputs = self._end(dead, current)
+            outputs = self._end(dead, {})  # (their rows in this step hold no token of theirs: not counted)
             # An overlapped step launches its picks, then lands the step in flight; but a grammar row's
             # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
             grammar = [seq for seq in sampled if seq.matcher is not None]

@@ -262,7 +262,8 @@ static inline __m512 exp_nonpositive(__m512 x) {
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
     __m512 p = _mm512_set1_ps(1.f / 5040);
-    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -288,7 +289,8 @@ static void attend_split(const float* q, int64_t g, int64_t D, const float* k, i
                 __m512 a = _mm512_setzero_ps();
                 if (m < cnt) {
                     const float* kr = k + (c0 + m) * ks;
-                    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(kr + d), a);
+                    for (int64_t d = 0; d < D; d += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(kr + d), a);
                 }
                 acc[m] = a;
             }
@@ -302,8 +304,8 @@ static void attend_split(const float* q, int64_t g, int64_t D, const float* k, i
         const float m = _mm512_reduce_max_ps(big);
         for (int64_t c0 = 0; c0 < n; c0 += 16) {
             const int64_t cnt = n - c0 < 16 ? n - c0 : 16;
-            const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1),
-                                                 exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(p[j] + c0), _mm512_set1_ps(m))));
+            const __m512 x = _mm512_sub_ps(_mm512_load_ps(p[j] + c0), _mm512_set1_ps(m));
+            const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1), exp_nonpositive(x));
             _mm512_store_ps(p[j] + c0, e);
             total = _mm512_add_ps(total, e);
         }
