@@ -186,10 +186,16 @@ def inductor_options(model: torch.nn.Module) -> dict:
     integer kernel's op) read buffers anyway, and there the same setting
     costs: 3% on float32 (1.17 -> 0.97x), 2-4% on SmolLM2 int4 with the
     integer kernel (116.0 -> 120.5 tok/s at prompt 64, 74.9 -> 76.7 at 512,
-    same process): left alone."""
+    same process): left alone.
+
+    No ``size_asserts``: the graph's wrapper would check the size and
+    strides of each input at every call (~640 a step on SmolLM2, its
+    weights among them), which dynamo's guards have checked already:
+    SmolLM2 int4 one-row steps 1.05-1.06x at 64 keys, 1.02-1.06x at 512
+    (`benchmarks/cpu_inductor_ab.py`, same process, alternating rounds)."""
     looped = any(isinstance(m, QuantizedWeight) and m.mode == "int8" and not hasattr(m, "tiles")
                  for m in model.modules())
-    options = {"post_grad_custom_post_pass": ResidualOutsideGemm()}
+    options = {"post_grad_custom_post_pass": ResidualOutsideGemm(), "size_asserts": False}
     return (options | {"realize_opcount_threshold": 0}) if looped else options
 
 
