@@ -223,8 +223,9 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_quant_q8(const at::Ten
 // One query per head over every key: the attention of the compiled one-row
 // CPU decode step (batch/compiled.py), where SDPA's CPU kernel spent ~115 us
 // a layer on 512 keys of SmolLM2 (3 KV heads of 64: 393 KB read); this op,
-// alone, 16 us with AVX-512 (attend_split), 57 us in plain loops. q [1, Hq,
-// D]; k [S, Hkv, D], v [S, Hkv, Dv] (the store's views: any strides along
+// alone, 16 us with AVX-512 (attend_split), 26 us with AVX2, 57-60 us in
+// plain loops (other head sizes). q [1, Hq, D]; k [S, Hkv, D], v [S, Hkv,
+// Dv] (the store's views: any strides along
 // keys and heads, the last dimension contiguous), float32; query head h reads
 // KV head h / (Hq / Hkv). Split over (KV head, block of KB keys) on torch's
 // threads; each split keeps its maximum, its sum of exp and its weighted
@@ -233,6 +234,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_quant_q8(const at::Ten
 enum { KB = 64 };
 
 #if defined(__AVX512F__)
+enum { AW = 16 };  // attention's vector width (attend_split)
 // y[i] = the sum of x[i]'s 16 lanes: four levels of adding shuffled pairs
 // (a horizontal sum per key would cost twice the key's products at D = 64),
 // which leave key 4m + b in lane 4b + m; one permutation puts it in lane 4m + b.
@@ -334,6 +336,104 @@ static void attend_split(const float* q, int64_t g, int64_t D, const float* k, i
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+enum { AW = 8 };
+// The same split with 8-wide vectors: y[i] = the sum of x[i]'s 8 lanes (two
+// levels of hadd within 128-bit halves, then the halves added in order).
+static inline __m256 sums8(const __m256* x) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float reduce8(__m256 x, bool max) {
+    __m128 s = max ? _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1))
+                   : _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = max ? _mm_max_ps(s, _mm_movehl_ps(s, s)) : _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = max ? _mm_max_ss(s, _mm_movehdup_ps(s)) : _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 as the AVX-512 one, 2^n built in the exponent bits (x >= -87: n >= -126).
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040);
+    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// attend_split of the AVX-512 build, 8 keys at a time; the values in slabs of
+// 2 vectors by 4 heads (AVX2 has 16 registers).
+static void attend_split(const float* q, int64_t g, int64_t D, const float* k, int64_t ks, const float* v,
+                         int64_t vs, int64_t Dv, int64_t n, float sc, float* dst, int64_t width) {
+    alignas(32) float p[16][KB];
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t s = 0; s < n; s++)
+        for (int64_t d = 0; d < Dv; d += 16) _mm_prefetch((const char*)(v + s * vs + d), _MM_HINT_T0);
+    for (int64_t c0 = 0; c0 < n; c0 += 8) {
+        const int64_t cnt = n - c0 < 8 ? n - c0 : 8;
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane));
+        for (int64_t m = 8; m < 16 && c0 + m < n; m++)
+            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(k + (c0 + m) * ks + d), _MM_HINT_T0);
+        for (int64_t j = 0; j < g; j++) {
+            const float* qj = q + j * D;
+            __m256 acc[8];
+            for (int64_t m = 0; m < 8; m++) {
+                __m256 a = _mm256_setzero_ps();
+                if (m < cnt) {
+                    const float* kr = k + (c0 + m) * ks;
+                    for (int64_t d = 0; d < D; d += 8)
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(kr + d), a);
+                }
+                acc[m] = a;
+            }
+            const __m256 y = _mm256_mul_ps(sums8(acc), _mm256_set1_ps(sc));
+            _mm256_store_ps(p[j] + c0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), y, valid));
+        }
+    }
+    for (int64_t j = 0; j < g; j++) {
+        __m256 big = _mm256_set1_ps(-INFINITY), total = _mm256_setzero_ps();
+        for (int64_t c0 = 0; c0 < n; c0 += 8) big = _mm256_max_ps(big, _mm256_load_ps(p[j] + c0));
+        const float m = reduce8(big, true);
+        for (int64_t c0 = 0; c0 < n; c0 += 8) {
+            const int64_t cnt = n - c0 < 8 ? n - c0 : 8;
+            const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane));
+            const __m256 x = _mm256_sub_ps(_mm256_load_ps(p[j] + c0), _mm256_set1_ps(m));
+            const __m256 e = _mm256_and_ps(exp_nonpositive(x), valid);
+            _mm256_store_ps(p[j] + c0, e);
+            total = _mm256_add_ps(total, e);
+        }
+        dst[j * width] = m;
+        dst[j * width + 1] = reduce8(total, false);
+    }
+    for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+        const int64_t nv = (Dv - d0) / 8 < 2 ? (Dv - d0) / 8 : 2;
+        for (int64_t j0 = 0; j0 < g; j0 += 4) {
+            const int64_t nj = g - j0 < 4 ? g - j0 : 4;
+            __m256 acc[4][2];
+            for (int jj = 0; jj < 4; jj++)
+                for (int c = 0; c < 2; c++) acc[jj][c] = _mm256_setzero_ps();
+            for (int64_t s = 0; s < n; s++) {
+                const float* vr = v + s * vs + d0;
+                __m256 vv[2];
+                for (int c = 0; c < 2; c++) vv[c] = c < nv ? _mm256_loadu_ps(vr + 8 * c) : _mm256_setzero_ps();
+                for (int jj = 0; jj < 4; jj++) {
+                    if (jj >= nj) break;
+                    const __m256 w = _mm256_set1_ps(p[j0 + jj][s]);
+                    for (int c = 0; c < 2; c++) acc[jj][c] = _mm256_fmadd_ps(w, vv[c], acc[jj][c]);
+                }
+            }
+            for (int jj = 0; jj < nj; jj++)
+                for (int c = 0; c < nv; c++) _mm256_storeu_ps(dst + (j0 + jj) * width + 2 + d0 + 8 * c, acc[jj][c]);
+        }
+    }
+}
 #endif
 
 static at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k, const at::Tensor& v, double scale) {
@@ -350,13 +450,13 @@ static at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k,
     const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
     const float sc = (float)scale;
     float* parts = part.data();
-#if defined(__AVX512F__)
-    const bool vector = D % 16 == 0 && Dv % 16 == 0 && g <= 16;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    const bool vector = D % AW == 0 && Dv % AW == 0 && g <= 16;
 #endif
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
     for (int64_t item = 0; item < Hkv * nb; item++) {
         const int64_t h = item / nb, s0 = (item % nb) * KB, s1 = s0 + KB < S ? s0 + KB : S;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         if (vector) {
             attend_split(qp + h * g * D, g, D, kp + s0 * ks + h * kh, ks, vp + s0 * vs + h * vh, vs, Dv, s1 - s0, sc,
                          parts + item * g * width, width);

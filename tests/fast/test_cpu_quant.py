@@ -188,14 +188,17 @@ def test_off_switch_keeps_torch_layout(monkeypatch):
 
 
 @pytest.mark.parametrize("heads, dim, length", [((9, 3), 64, 1), ((9, 3), 64, 200), ((4, 1), 256, 700),
-                                                ((8, 8), 64, 64), ((8, 2), 32, 65)])
+                                                ((8, 8), 64, 64), ((8, 2), 32, 65), ((6, 2), 40, 33),
+                                                ((4, 2), 36, 70), ((32, 1), 64, 40)])
 @pytest.mark.parametrize("ns", ["pagedlm", "pagedlm_avx2"])
 def test_decode_attention_is_attention_over_every_key(heads, dim, length, ns):
     """The compiled one-row step's attention op against float64 softmax
     attention (query head h on KV head h // group), on strided views like the
     store's (token-major rows of a longer buffer), one thread and two: the same
     bits. Both builds: AVX-512's vector splits (16 keys' scores at once, its
-    own exp) and the AVX2 build's plain loops."""
+    own exp) and AVX2's (8 at once); the plain loops where the head size is
+    not a multiple of the vector (40 on AVX-512, 36 on both) or a KV head has
+    more than 16 query heads."""
     if ns not in _namespaces():
         pytest.skip("no AVX2 on this CPU")
     hq, hkv = heads
