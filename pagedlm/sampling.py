@@ -272,6 +272,16 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
     return tokens
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first index where several tie; a NaN counts as
+    the largest), as ``torch.argmax``. On the CPU numpy's, vectorised: torch's
+    took 240 us over Gemma 3's 262,144 logits, numpy's 20 (2 threads, this
+    project's AMD EPYC VM), ~3% of a compiled int4 decode step there."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return np.argmax(logits.detach().numpy(), axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range", tokens: list[int | None]) -> None:
     """Sample ``rows`` (of ``logits`` and ``seqs``) into ``tokens``. Rows that
     are greedy, unpenalized and unbiased share one argmax, kept where their
@@ -279,7 +289,7 @@ def _pick(logits: torch.Tensor, seqs: list["Sequence"], rows: "list[int] | range
     (`pick_on_device`); the rest go row by row."""
     shared = [i for i in rows if shares_argmax(seqs[i])]
     if shared:
-        best = torch.argmax(logits if len(shared) == len(seqs) else logits[shared], dim=-1).tolist()
+        best = argmax_rows(logits if len(shared) == len(seqs) else logits[shared])
         for i, t in zip(shared, best):
             rules = seqs[i].rules
             if rules is None or rules.permits(t, seqs[i].output_ids):

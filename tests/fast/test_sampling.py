@@ -4,7 +4,7 @@ import torch
 
 from pagedlm.batch.sequence import Sequence, StopMatcher
 from pagedlm.params import SamplingParams
-from pagedlm.sampling import TokenRules, apply_penalties, sample, sample_row
+from pagedlm.sampling import TokenRules, apply_penalties, argmax_rows, sample, sample_row
 
 
 def Sampler(options, tokens=(2,), output=()):  # noqa: N802 - reads like the sampler it stands for
@@ -23,6 +23,24 @@ def _draws(options, n=50):
 def test_greedy_is_argmax():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
     assert Sampler(SamplingParams(temperature=0))(logits) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_batched_greedy_argmax_is_torchs_with_ties_nans_and_dead_rows(dtype):
+    """The greedy rows' shared argmax (numpy's on the CPU): torch.argmax's
+    index on every row, the first of tied maxima, a NaN as the largest, 0 on a
+    row of -inf, on a strided selection of rows too."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 1000, generator=g).to(dtype)
+    logits[1, [10, 500, 999]] = 50.0  # tied maxima
+    logits[2, 700] = float("nan")
+    logits[2, 900] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 0] = float("inf")
+    logits[4, 5] = float("inf")
+    for rows in (logits, logits[[6, 1, 2, 3]], logits[:, ::3]):
+        assert argmax_rows(rows) == torch.argmax(rows, dim=-1).tolist()
+    assert argmax_rows(logits)[1:5] == [10, 700, 0, 0]
 
 
 def test_same_seed_same_tokens_and_other_seed_differs():
