@@ -233,204 +233,173 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_quant_q8(const at::Ten
 // thread count).
 enum { KB = 64 };
 
+// attend_split's vector operations, one struct per instruction set: W lanes,
+// SLAB vectors of values per head in registers (AVX-512 has 32, AVX2 16).
 #if defined(__AVX512F__)
-enum { AW = 16 };  // attention's vector width (attend_split)
-// y[i] = the sum of x[i]'s 16 lanes: four levels of adding shuffled pairs
-// (a horizontal sum per key would cost twice the key's products at D = 64),
-// which leave key 4m + b in lane 4b + m; one permutation puts it in lane 4m + b.
-static inline __m512 sums16(const __m512* x) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)  // 128-bit blocks: [a0 + a2, a1 + a3, b0 + b2, b1 + b3]
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  // block b: 4 partial sums of key 4i + b
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    const __m512 v01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-    const __m512 v23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v01), _mm512_castps_pd(v23))));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
-}
+#define ATTEND_VECTOR
+struct Vec {
+    typedef __m512 T;
+    enum { W = 16, SLAB = 4 };
+    static T zero() { return _mm512_setzero_ps(); }
+    static T set1(float x) { return _mm512_set1_ps(x); }
+    static T load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+    static T add(T a, T b) { return _mm512_add_ps(a, b); }
+    static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+    static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+    static T max(T a, T b) { return _mm512_max_ps(a, b); }
+    static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+    static T fnmadd(T a, T b, T c) { return _mm512_fnmadd_ps(a, b, c); }
+    static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static T scale2(T p, T n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+    // Lanes below cnt from x, the rest `other`.
+    static T first(T x, int64_t cnt, float other) {
+        return _mm512_mask_blend_ps((__mmask16)((1u << cnt) - 1), _mm512_set1_ps(other), x);
+    }
+    static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
+    static float reduce_add(T x) { return _mm512_reduce_add_ps(x); }
+    // y[i] = the sum of x[i]'s 16 lanes: four levels of adding shuffled pairs
+    // (a horizontal sum per key would cost twice the key's products at D = 64),
+    // which leave key 4m + b in lane 4b + m; one permutation puts it in lane 4m + b.
+    static T sums(const T* x) {
+        T t[8], u[4];
+        for (int i = 0; i < 8; i++)  // 128-bit blocks: [a0 + a2, a1 + a3, b0 + b2, b1 + b3]
+            t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                                 _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+        for (int i = 0; i < 4; i++)  // block b: 4 partial sums of key 4i + b
+            u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+        const T v01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+        const T v23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+        const __m512d a = _mm512_castps_pd(v01), b = _mm512_castps_pd(v23);
+        const T z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), z);
+    }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ATTEND_VECTOR
+struct Vec {
+    typedef __m256 T;
+    enum { W = 8, SLAB = 2 };
+    static T zero() { return _mm256_setzero_ps(); }
+    static T set1(float x) { return _mm256_set1_ps(x); }
+    static T load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+    static T add(T a, T b) { return _mm256_add_ps(a, b); }
+    static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+    static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+    static T max(T a, T b) { return _mm256_max_ps(a, b); }
+    static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+    static T fnmadd(T a, T b, T c) { return _mm256_fnmadd_ps(a, b, c); }
+    static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static T scale2(T p, T n) {  // p * 2^n, 2^n built in the exponent bits (n >= -126)
+        const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+    }
+    static T first(T x, int64_t cnt, float other) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane);
+        return _mm256_blendv_ps(_mm256_set1_ps(other), x, _mm256_castsi256_ps(below));
+    }
+    static float reduce(T x, bool max) {
+        __m128 s = max ? _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1))
+                       : _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        s = max ? _mm_max_ps(s, _mm_movehl_ps(s, s)) : _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = max ? _mm_max_ss(s, _mm_movehdup_ps(s)) : _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static float reduce_max(T x) { return reduce(x, true); }
+    static float reduce_add(T x) { return reduce(x, false); }
+    // y[i] = the sum of x[i]'s 8 lanes: two levels of hadd within 128-bit
+    // halves, then the halves added in order.
+    static T sums(const T* x) {
+        const T u0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+        const T u1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+        return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    }
+};
+#endif
 
-// exp(x) for x <= 0, 16 at a time (glibc's expf is scalar without -ffast-math):
+#ifdef ATTEND_VECTOR
+typedef Vec::T V;
+enum { W = Vec::W, SLAB = Vec::SLAB };
+
+// exp(x) for x <= 0, W at a time (glibc's expf is scalar without -ffast-math):
 // x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative
-// error < 1e-8 there), times 2^n by scalef; below -87 (e^-87 ~ 1.6e-38) it
-// flushes to e^-87, which a sum that holds the maximum's 1 cannot see.
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040);
-    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
+// error < 1e-8 there), times 2^n; below -87 (e^-87 ~ 1.6e-38) it flushes to
+// e^-87, which a sum that holds the maximum's 1 cannot see.
+static inline V exp_nonpositive(V x) {
+    x = Vec::max(x, Vec::set1(-87.f));
+    const V n = Vec::round(Vec::mul(x, Vec::set1(1.44269504f)));
+    V r = Vec::fnmadd(n, Vec::set1(0.693145752f), x);  // ln 2 in two parts
+    r = Vec::fnmadd(n, Vec::set1(1.42860677e-6f), r);
+    V p = Vec::set1(1.f / 5040);
+    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = Vec::fmadd(p, r, Vec::set1(c));
+    return Vec::scale2(p, n);
 }
 
 // One split of decode_attention: query heads q [g][D] (g <= 16) over n <= KB
 // keys k and values v (rows ks and vs apart) of their KV head; per head its
 // maximum, its sum of exp and its weighted values into dst (rows of width).
-// D and Dv multiples of 16. Scores 16 keys at a time (sums16); the values in
-// slabs of 4 vectors by 4 heads, their accumulators in registers.
+// D and Dv multiples of W. Scores W keys at a time (Vec::sums); the values in
+// slabs of SLAB vectors by 4 heads, their accumulators in registers; the
+// split's values and the next W keys prefetched.
 static void attend_split(const float* q, int64_t g, int64_t D, const float* k, int64_t ks, const float* v,
                          int64_t vs, int64_t Dv, int64_t n, float sc, float* dst, int64_t width) {
-    alignas(64) float p[16][KB];
+    float p[16][KB];
     for (int64_t s = 0; s < n; s++)  // the values arrive while the scores are computed
         for (int64_t d = 0; d < Dv; d += 16) _mm_prefetch((const char*)(v + s * vs + d), _MM_HINT_T0);
-    for (int64_t c0 = 0; c0 < n; c0 += 16) {
-        const int64_t cnt = n - c0 < 16 ? n - c0 : 16;
-        const __mmask16 valid = (__mmask16)((1u << cnt) - 1);
-        for (int64_t m = 16; m < 32 && c0 + m < n; m++)  // the next 16 keys
+    for (int64_t c0 = 0; c0 < n; c0 += W) {
+        const int64_t cnt = n - c0 < W ? n - c0 : W;
+        for (int64_t m = W; m < 2 * W && c0 + m < n; m++)
             for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(k + (c0 + m) * ks + d), _MM_HINT_T0);
         for (int64_t j = 0; j < g; j++) {
             const float* qj = q + j * D;
-            __m512 acc[16];
-            for (int64_t m = 0; m < 16; m++) {
-                __m512 a = _mm512_setzero_ps();
+            V acc[W];
+            for (int64_t m = 0; m < W; m++) {
+                V a = Vec::zero();
                 if (m < cnt) {
                     const float* kr = k + (c0 + m) * ks;
-                    for (int64_t d = 0; d < D; d += 16)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(kr + d), a);
+                    for (int64_t d = 0; d < D; d += W) a = Vec::fmadd(Vec::load(qj + d), Vec::load(kr + d), a);
                 }
                 acc[m] = a;
             }
-            const __m512 y = _mm512_mul_ps(sums16(acc), _mm512_set1_ps(sc));
-            _mm512_store_ps(p[j] + c0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), y));
+            Vec::store(p[j] + c0, Vec::first(Vec::mul(Vec::sums(acc), Vec::set1(sc)), cnt, -INFINITY));
         }
     }
     for (int64_t j = 0; j < g; j++) {
-        __m512 big = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < n; c0 += 16) big = _mm512_max_ps(big, _mm512_load_ps(p[j] + c0));
-        const float m = _mm512_reduce_max_ps(big);
-        for (int64_t c0 = 0; c0 < n; c0 += 16) {
-            const int64_t cnt = n - c0 < 16 ? n - c0 : 16;
-            const __m512 x = _mm512_sub_ps(_mm512_load_ps(p[j] + c0), _mm512_set1_ps(m));
-            const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1), exp_nonpositive(x));
-            _mm512_store_ps(p[j] + c0, e);
-            total = _mm512_add_ps(total, e);
+        V big = Vec::set1(-INFINITY), total = Vec::zero();
+        for (int64_t c0 = 0; c0 < n; c0 += W) big = Vec::max(big, Vec::load(p[j] + c0));
+        const float m = Vec::reduce_max(big);
+        for (int64_t c0 = 0; c0 < n; c0 += W) {
+            const int64_t cnt = n - c0 < W ? n - c0 : W;
+            const V e = Vec::first(exp_nonpositive(Vec::sub(Vec::load(p[j] + c0), Vec::set1(m))), cnt, 0.f);
+            Vec::store(p[j] + c0, e);
+            total = Vec::add(total, e);
         }
         dst[j * width] = m;
-        dst[j * width + 1] = _mm512_reduce_add_ps(total);
+        dst[j * width + 1] = Vec::reduce_add(total);
     }
-    for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
-        const int64_t nv = (Dv - d0) / 16 < 4 ? (Dv - d0) / 16 : 4;
+    for (int64_t d0 = 0; d0 < Dv; d0 += SLAB * W) {
+        const int64_t nv = (Dv - d0) / W < SLAB ? (Dv - d0) / W : SLAB;
         for (int64_t j0 = 0; j0 < g; j0 += 4) {
             const int64_t nj = g - j0 < 4 ? g - j0 : 4;
-            __m512 acc[4][4];
+            V acc[4][SLAB];
             for (int jj = 0; jj < 4; jj++)
-                for (int c = 0; c < 4; c++) acc[jj][c] = _mm512_setzero_ps();
+                for (int c = 0; c < SLAB; c++) acc[jj][c] = Vec::zero();
             for (int64_t s = 0; s < n; s++) {
                 const float* vr = v + s * vs + d0;
-                __m512 vv[4];
-                for (int c = 0; c < 4; c++) vv[c] = c < nv ? _mm512_loadu_ps(vr + 16 * c) : _mm512_setzero_ps();
+                V vv[SLAB];
+                for (int c = 0; c < SLAB; c++) vv[c] = c < nv ? Vec::load(vr + W * c) : Vec::zero();
                 for (int jj = 0; jj < 4; jj++) {
                     if (jj >= nj) break;
-                    const __m512 w = _mm512_set1_ps(p[j0 + jj][s]);
-                    for (int c = 0; c < 4; c++) acc[jj][c] = _mm512_fmadd_ps(w, vv[c], acc[jj][c]);
+                    const V w = Vec::set1(p[j0 + jj][s]);
+                    for (int c = 0; c < SLAB; c++) acc[jj][c] = Vec::fmadd(w, vv[c], acc[jj][c]);
                 }
             }
             for (int jj = 0; jj < nj; jj++)
-                for (int c = 0; c < nv; c++) _mm512_storeu_ps(dst + (j0 + jj) * width + 2 + d0 + 16 * c, acc[jj][c]);
-        }
-    }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-enum { AW = 8 };
-// The same split with 8-wide vectors: y[i] = the sum of x[i]'s 8 lanes (two
-// levels of hadd within 128-bit halves, then the halves added in order).
-static inline __m256 sums8(const __m256* x) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-static inline float reduce8(__m256 x, bool max) {
-    __m128 s = max ? _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1))
-                   : _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = max ? _mm_max_ps(s, _mm_movehl_ps(s, s)) : _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = max ? _mm_max_ss(s, _mm_movehdup_ps(s)) : _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// exp(x) for x <= 0 as the AVX-512 one, 2^n built in the exponent bits (x >= -87: n >= -126).
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.f / 5040);
-    for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// attend_split of the AVX-512 build, 8 keys at a time; the values in slabs of
-// 2 vectors by 4 heads (AVX2 has 16 registers).
-static void attend_split(const float* q, int64_t g, int64_t D, const float* k, int64_t ks, const float* v,
-                         int64_t vs, int64_t Dv, int64_t n, float sc, float* dst, int64_t width) {
-    alignas(32) float p[16][KB];
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t s = 0; s < n; s++)
-        for (int64_t d = 0; d < Dv; d += 16) _mm_prefetch((const char*)(v + s * vs + d), _MM_HINT_T0);
-    for (int64_t c0 = 0; c0 < n; c0 += 8) {
-        const int64_t cnt = n - c0 < 8 ? n - c0 : 8;
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane));
-        for (int64_t m = 8; m < 16 && c0 + m < n; m++)
-            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char*)(k + (c0 + m) * ks + d), _MM_HINT_T0);
-        for (int64_t j = 0; j < g; j++) {
-            const float* qj = q + j * D;
-            __m256 acc[8];
-            for (int64_t m = 0; m < 8; m++) {
-                __m256 a = _mm256_setzero_ps();
-                if (m < cnt) {
-                    const float* kr = k + (c0 + m) * ks;
-                    for (int64_t d = 0; d < D; d += 8)
-                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d), _mm256_loadu_ps(kr + d), a);
-                }
-                acc[m] = a;
-            }
-            const __m256 y = _mm256_mul_ps(sums8(acc), _mm256_set1_ps(sc));
-            _mm256_store_ps(p[j] + c0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), y, valid));
-        }
-    }
-    for (int64_t j = 0; j < g; j++) {
-        __m256 big = _mm256_set1_ps(-INFINITY), total = _mm256_setzero_ps();
-        for (int64_t c0 = 0; c0 < n; c0 += 8) big = _mm256_max_ps(big, _mm256_load_ps(p[j] + c0));
-        const float m = reduce8(big, true);
-        for (int64_t c0 = 0; c0 < n; c0 += 8) {
-            const int64_t cnt = n - c0 < 8 ? n - c0 : 8;
-            const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane));
-            const __m256 x = _mm256_sub_ps(_mm256_load_ps(p[j] + c0), _mm256_set1_ps(m));
-            const __m256 e = _mm256_and_ps(exp_nonpositive(x), valid);
-            _mm256_store_ps(p[j] + c0, e);
-            total = _mm256_add_ps(total, e);
-        }
-        dst[j * width] = m;
-        dst[j * width + 1] = reduce8(total, false);
-    }
-    for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
-        const int64_t nv = (Dv - d0) / 8 < 2 ? (Dv - d0) / 8 : 2;
-        for (int64_t j0 = 0; j0 < g; j0 += 4) {
-            const int64_t nj = g - j0 < 4 ? g - j0 : 4;
-            __m256 acc[4][2];
-            for (int jj = 0; jj < 4; jj++)
-                for (int c = 0; c < 2; c++) acc[jj][c] = _mm256_setzero_ps();
-            for (int64_t s = 0; s < n; s++) {
-                const float* vr = v + s * vs + d0;
-                __m256 vv[2];
-                for (int c = 0; c < 2; c++) vv[c] = c < nv ? _mm256_loadu_ps(vr + 8 * c) : _mm256_setzero_ps();
-                for (int jj = 0; jj < 4; jj++) {
-                    if (jj >= nj) break;
-                    const __m256 w = _mm256_set1_ps(p[j0 + jj][s]);
-                    for (int c = 0; c < 2; c++) acc[jj][c] = _mm256_fmadd_ps(w, vv[c], acc[jj][c]);
-                }
-            }
-            for (int jj = 0; jj < nj; jj++)
-                for (int c = 0; c < nv; c++) _mm256_storeu_ps(dst + (j0 + jj) * width + 2 + d0 + 8 * c, acc[jj][c]);
+                for (int c = 0; c < nv; c++) Vec::store(dst + (j0 + jj) * width + 2 + d0 + W * c, acc[jj][c]);
         }
     }
 }
@@ -450,13 +419,13 @@ static at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k,
     const int64_t ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
     const float sc = (float)scale;
     float* parts = part.data();
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    const bool vector = D % AW == 0 && Dv % AW == 0 && g <= 16;
+#ifdef ATTEND_VECTOR
+    const bool vector = D % W == 0 && Dv % W == 0 && g <= 16;
 #endif
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static)
     for (int64_t item = 0; item < Hkv * nb; item++) {
         const int64_t h = item / nb, s0 = (item % nb) * KB, s1 = s0 + KB < S ? s0 + KB : S;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef ATTEND_VECTOR
         if (vector) {
             attend_split(qp + h * g * D, g, D, kp + s0 * ks + h * kh, ks, vp + s0 * vs + h * vh, vs, Dv, s1 - s0, sc,
                          parts + item * g * width, width);
