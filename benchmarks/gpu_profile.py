@@ -5,6 +5,9 @@ engine step, and the host parts of a step (perf_counter around each).
 workload: nano-vllm's 256 prompts (Qwen3-0.6B shape) through ``LLM.generate``,
 its wall time split into decode steps that replay a graph, steps that run
 eagerly (prompt chunks), and within them the host parts.
+kernels: the same workload under ``torch.profiler`` for STEPS engine steps
+from step SKIP (mid-run: ~130 rows decoding), the device time by kernel
+(graph replays included), per step; KV=fp8 (or int8) for 8-bit pools.
 
 ASYNC=1|0 in the environment turns async scheduling on or off (default: the
 device's default, on). Under it the host waits for the GPU in ``land`` (the
@@ -14,6 +17,8 @@ the host's own work plus whatever wait is left.
 Usage (repository root, GPU machine):
     PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]      # batch 1
     PYTHONPATH=. python3 benchmarks/gpu_profile.py --workload
+    KERNELS=1 PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]     # ... and the replay's kernels
+    KV=fp8 SKIP=300 STEPS=20 PYTHONPATH=. python3 benchmarks/gpu_profile.py --kernels
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ def profile(config: str) -> None:
     end.record()
     end.synchronize()
     replay_ms = start.elapsed_time(end) / 100
+    if os.environ.get("KERNELS") == "1":  # the replay's kernels by device time
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+        print_kernels(prof, 20, f"{config} batch-1 graph replay")
 
     parts: dict[str, list[float]] = {}
     engine.scheduler.schedule = timed(engine.scheduler.schedule, parts, "schedule")
@@ -80,17 +92,58 @@ def profile(config: str) -> None:
         print(f"    {name:40s} {statistics.median(xs[-100:]) * 1e3:.3f} ms")
 
 
-def workload() -> None:
+def workload_llm(kv_quant: str = "none"):
+    """The 256-prompt workload's LLM (warmed up), its prompts and their parameters."""
     from pagedlm.bench.throughput import make_workload
     from pagedlm.llm import LLM
 
     model, tok = load_random(str(ROOT / "configs" / "qwen3-0.6b"), "cuda", torch.bfloat16)
     work = make_workload(256, 100, 1024, 0, model.args.vocab_size)
     llm = LLM(model, tokenizer=tok, paged_kv=True, block_size=16, attention_backend="triton",
-              gpu_memory_fraction=0.5, async_scheduling=ASYNC)
-    engine = llm.engine
+              gpu_memory_fraction=0.5, async_scheduling=ASYNC, kv_quant=kv_quant)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm-up
+    return llm, [p for p, _ in work], params
+
+
+def kernels() -> None:
+    """Device time by kernel over STEPS engine steps from step SKIP of the workload."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+
+    skip, steps = int(os.environ.get("SKIP", 300)), int(os.environ.get("STEPS", 20))
+    llm, prompts, params = workload_llm(os.environ.get("KV", "none"))
+    engine = llm.engine
+    step, rows = engine.step, []
+    with torch_profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=skip, warmup=2, active=steps, repeat=1)) as prof:
+        def profiled_step():
+            out = step()
+            if skip + 2 <= len(rows) < skip + 2 + steps:
+                rows.append(len(engine.scheduler.running))
+            else:
+                rows.append(None)
+            prof.step()
+            return out
+        engine.step = profiled_step
+        llm.generate(prompts, params, use_tqdm=False)
+    seen = [r for r in rows if r is not None]
+    print_kernels(prof, steps, f"workload, KV {os.environ.get('KV', 'none')}, steps {skip + 2}..{skip + 2 + steps} "
+                               f"(running rows {seen[:1]}..{seen[-1:]})")
+
+
+def print_kernels(prof, steps: int, title: str, top: int = 30) -> None:
+    """The profiled kernels by device time, per step."""
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    print(f"kernels: {title}: {sum(e.count for e in events) / steps:.0f} kernels, "
+          f"device time {total / steps / 1e3:.3f} ms a step")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"    {e.device_time_total / steps / 1e3:8.3f} ms  {e.count / steps:6.1f}x  "
+              f"{100 * e.device_time_total / total:5.1f}%  {e.key[:110]}")
+
+
+def workload() -> None:
+    llm, prompts, params = workload_llm()
+    engine = llm.engine
     parts: dict[str, list[float]] = {}
     engine.scheduler.schedule = timed(engine.scheduler.schedule, parts, "schedule")
     engine_mod.prepare_step = timed(engine_mod.prepare_step, parts, "prepare_step")
@@ -117,7 +170,7 @@ def workload() -> None:
     engine.step = traced_step
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"workload: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s; "
@@ -131,6 +184,8 @@ def workload() -> None:
 if __name__ == "__main__":
     if "--workload" in sys.argv:
         workload()
+    elif "--kernels" in sys.argv:
+        kernels()
     else:
         for cfg in sys.argv[1:] or ["qwen3-0.6b", "llama-3.1-8b"]:
             profile(cfg)

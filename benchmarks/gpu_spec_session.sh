@@ -14,6 +14,8 @@
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
 #   ab      the 256-prompt workload with --async-scheduling and --no-async-scheduling, interleaved, ROUNDS rounds
 #   profile benchmarks/gpu_profile.py (batch 1 on two shapes, and --workload) with ASYNC=0 then ASYNC=1
+#   kernels benchmarks/gpu_profile.py's device time by kernel: batch-1 graph replays (KERNELS=1, two shapes) and
+#           the 256-prompt workload's steps mid-run (--kernels), bf16 then fp8 KV
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
 # of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).
@@ -91,6 +93,11 @@ if has profile; then
       && ASYNC=$a PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py --workload) 2>>"$OUT/bench.err" \
       | tee -a "$OUT/profile.txt"
   done
+fi
+if has kernels; then
+  (cd "$NOW" && KERNELS=1 PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py qwen3-0.6b gemma3-270m \
+    && for kv in ${KV_MODES:-none fp8}; do KV=$kv PYTHONPATH=. timeout 150 python3 benchmarks/gpu_profile.py --kernels; done) \
+    2>>"$OUT/bench.err" | tee -a "$OUT/kernels.txt"
 fi
 if has hf; then
   for quant in none fp8; do
