@@ -5,7 +5,7 @@ engine step, and the host parts of a step (perf_counter around each).
 workload: nano-vllm's 256 prompts (Qwen3-0.6B shape) through ``LLM.generate``,
 its wall time split into decode steps that replay a graph, steps that run
 eagerly (prompt chunks), and within them the host parts.
-kernels: the same workload under ``torch.profiler`` for STEPS engine steps
+kernels: the same workload under ``torch.profiler`` for PROFILE_STEPS engine steps
 from step SKIP (mid-run: ~130 rows decoding), the device time by kernel
 (graph replays included), per step; KV=fp8 (or int8) for 8-bit pools.
 
@@ -18,7 +18,7 @@ Usage (repository root, GPU machine):
     PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]      # batch 1
     PYTHONPATH=. python3 benchmarks/gpu_profile.py --workload
     KERNELS=1 PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]     # ... and the replay's kernels
-    KV=fp8 SKIP=300 STEPS=20 PYTHONPATH=. python3 benchmarks/gpu_profile.py --kernels
+    KV=fp8 SKIP=300 PROFILE_STEPS=20 PYTHONPATH=. python3 benchmarks/gpu_profile.py --kernels
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def workload_llm(kv_quant: str = "none"):
 
 
 def kernels() -> None:
-    """Device time by kernel over STEPS engine steps from step SKIP of the workload."""
+    """Device time by kernel over PROFILE_STEPS engine steps from step SKIP of the workload."""
     from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
 
-    skip, steps = int(os.environ.get("SKIP", 300)), int(os.environ.get("STEPS", 20))
+    skip, steps = int(os.environ.get("SKIP", 300)), int(os.environ.get("PROFILE_STEPS", 20))
     llm, prompts, params = workload_llm(os.environ.get("KV", "none"))
     engine = llm.engine
     step, rows = engine.step, []
