@@ -118,7 +118,8 @@ def kernels() -> None:
         def profiled_step():
             out = step()
             if skip + 2 <= len(rows) < skip + 2 + steps:
-                rows.append(len(engine.scheduler.running))
+                running = engine.scheduler.running
+                rows.append((len(running), sum(seq.num_tokens for seq in running)))
             else:
                 rows.append(None)
             prof.step()
@@ -126,8 +127,13 @@ def kernels() -> None:
         engine.step = profiled_step
         llm.generate(prompts, params, use_tqdm=False)
     seen = [r for r in rows if r is not None]
+    args = engine.model.args
+    token_bytes = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * \
+        (2 if os.environ.get("KV", "none") == "none" else 1)  # (8-bit: scales not counted)
     print_kernels(prof, steps, f"workload, KV {os.environ.get('KV', 'none')}, steps {skip + 2}..{skip + 2 + steps} "
-                               f"(running rows {seen[:1]}..{seen[-1:]})")
+                               f"(running rows {seen[0][0]}..{seen[-1][0]}, keys a step "
+                               f"{statistics.mean(t for _, t in seen):.0f}: "
+                               f"{statistics.mean(t for _, t in seen) * token_bytes / 1e9:.2f} GB of KV)")
 
 
 def print_kernels(prof, steps: int, title: str, top: int = 30) -> None:

@@ -10,6 +10,10 @@ exit after the bench's own rows:
   step's own, or the background prefetch) and row count: how many, and
   their median ms (the rows' fill itself, without waiting for a prefetch).
 
+``PROFILE=N``: the main thread under cProfile, its N costliest functions
+(own time, then cumulative) printed at exit (the host's share of a step,
+relative: cProfile slows Python code more than the calls into C it makes).
+
 Usage (the bench's arguments after the script; OMP_NUM_THREADS to vary
 torch's intra-op threads): PYTHONPATH=. python3 benchmarks/mask_steps.py
 bench throughput --random-weights --model DIR --device cuda --json-schema
@@ -19,8 +23,11 @@ FILE --structured-batch-sizes 16 64 --json
 from __future__ import annotations
 
 import atexit
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import threading
@@ -54,13 +61,25 @@ def fill_rows(bitmask, matchers, rows):
         fills.setdefault(key, []).append(time.perf_counter() - t0)
 
 
+profiler = cProfile.Profile() if os.environ.get("PROFILE") else None
+
+
 @atexit.register
 def report() -> None:
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     print(json.dumps({**counts, "defer": os.environ.get("DEFER") != "0", "fill_rows_ms": by_thread}), flush=True)
+    if profiler is not None:
+        profiler.disable()
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(int(os.environ["PROFILE"]))
+            print(f"profile by {order}, {counts['steps']} steps:")
+            print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()), flush=True)
 
 
 if __name__ == "__main__":
     engine_module.LLMEngine.step = step
     matcher_module._fill_rows = fill_rows
+    if profiler is not None:
+        profiler.enable()
     sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call of the 2026-12-06 session (issues 20 and 22), from a `git archive` in .now:
+# the async test that failed in the full file, alone; the grammar step's host profile at batch 64
+# (picked in the step, then deferred); the workload's kernels with the step's KV bytes; the decode
+# kernel alone at the workload's batch sizes, bf16 and fp8.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; CARRY=$(pwd)/.carry
+LIB=/tmp/pylib; [ -d $LIB/llguidance ] || { mkdir -p $LIB && for w in "$CARRY"/*.whl; do python3 -m zipfile -e "$w" $LIB; done; }
+cd .now
+has() { [[ " ${NOW_STEPS:-stops profile kernels fast} " == *" $1 "* ]]; }
+if has stops; then
+  PYTHONPATH=.:$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_scheduling_gpu.py -k stops \
+    > "$OUT/stops.log" 2>&1; tail -2 "$OUT/stops.log"
+fi
+if has profile; then
+  dir=/tmp/mask-qwen3-0.6b; mkdir -p $dir; cp benchmarks/configs/qwen3-0.6b/config.json "$CARRY/smollm2-tok"/tokenizer*.json $dir/
+  for defer in 0 1; do
+    DEFER=$defer PROFILE=35 OMP_NUM_THREADS=16 PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
+      bench throughput --random-weights --model $dir --device cuda --async-scheduling \
+      --json-schema benchmarks/configs/person.schema.json --structured-batch-sizes 64 --repeats 2 --json \
+      2>>"$OUT/err.txt" | tee -a "$OUT/mask_profile.txt" | grep -E '^\{"steps|ms_per_step' | cut -c1-400
+  done
+fi
+if has kernels; then
+  for kv in none fp8; do
+    KV=$kv PYTHONPATH=. timeout 150 python3 benchmarks/gpu_profile.py --kernels 2>>"$OUT/err.txt" | tee -a "$OUT/kernels.txt" | head -4
+  done
+fi
+if has fast; then
+  PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b --cases 64x1024 128x1024 192x1024 256x1024 128x2048 \
+    --kv none fp8 int8 2>>"$OUT/err.txt" | tee "$OUT/fast.txt" | grep -E "^kernel|copy bandwidth"
+fi
+tail -3 "$OUT/err.txt" 2>/dev/null; nvidia-smi --query-gpu=name --format=csv,noheader
