@@ -30,6 +30,8 @@ eagerly.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +62,23 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """Python's cyclic garbage collected first and not during the captures:
+    a collection in the middle of one can free a dead engine's graphs, events
+    or pinned buffers, CUDA calls that invalidate the capture (on an H100, the
+    fifth engine of one process failed so, "operation failed due to a previous
+    error during capture"; torch's ``graph`` no longer collects before it)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, store: "KVStore", max_num_seqs: int,
                  table_width: int, block_size: int, device: torch.device, queries: int = 1) -> None:
@@ -75,8 +94,9 @@ class DecodeGraphs:
         self.max_position = table_width * block_size - 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self.graphs[size] = self._capture(size, pool)
+        with _no_collection():
+            for size in reversed(self.sizes):
+                self.graphs[size] = self._capture(size, pool)
 
     def _step(self, n: int) -> StepBatch:
         """A step over the first ``n`` rows of the buffers."""
