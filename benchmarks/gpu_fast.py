@@ -42,17 +42,24 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
     enough copies of the pools that each pass streams them from HBM rather
     than the L2 (median of ``do_bench_cudagraph``, per call). Bytes are what
     a call must read: keys and values (8-bit codes plus a bf16 scale per
-    token and head when quantized)."""
+    token and head when quantized). A case ``(batch, context, True)`` gives
+    its rows lengths spread evenly over [context / 8, 2 context - context /
+    8] (mean ``context``, as the serving workload's rows are), in random order."""
     rows = []
     for shape in shapes:
         hq, hkv, d = SHAPES[shape]
-        for batch, context in cases:
+        for batch, context, *varied in cases:
             bs = 16
-            blocks_per_row = -(-context // bs)
+            if varied and varied[0]:
+                lo = context // 8
+                lengths = torch.linspace(lo, 2 * context - lo, batch).long()[torch.randperm(batch)]
+            else:
+                lengths = torch.full((batch,), context)
+            blocks_per_row = -(-int(lengths.max()) // bs)
             num_blocks = batch * blocks_per_row
             for fmt in formats:
                 per_head = d * 2 if fmt == "none" else d + 2
-                kv_bytes = 2 * batch * context * hkv * per_head
+                kv_bytes = 2 * int(lengths.sum()) * hkv * per_head
                 calls = []
                 for _ in range(max(1, -(-L2_PASS_BYTES // kv_bytes))):
                     k_pool = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -69,8 +76,7 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                     del k_pool, v_pool
                     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_row)
                     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-                    calls.append((q, *pools, tables, torch.full((batch,), context, device="cuda"), d**-0.5, None,
-                                  scales))
+                    calls.append((q, *pools, tables, lengths.cuda(), d**-0.5, None, scales))
 
                 def run_all():
                     for args in calls:
@@ -80,6 +86,7 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                 ms = triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median") / len(calls)
                 nbytes = kv_bytes + 2 * batch * hq * d * 2
                 rows.append({"kind": "kernel", "shape": shape, "batch": batch, "context": context,
+                             "lengths": "varied" if varied and varied[0] else "equal",
                              "block_size": bs, "kv": fmt, "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1),
                              "fraction_of_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3),
                              "pool_copies": len(calls), "constants": {k: getattr(pa, k) for k in TUNABLE}})
@@ -131,7 +138,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--skip", nargs="*", default=[], choices=["kernel", "curve"])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768 (default: CASES)")
+    p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768; 192x1024v: lengths varied around 1024 (default: CASES)")
     p.add_argument("--kv", nargs="*", default=["none"], help="KV formats of the kernel rows",
                    choices=[*kvq.KV_QUANT_MODES, *(m + TOKEN_MAJOR_SUFFIX for m in kvq.QMAX)])
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")
@@ -141,7 +148,8 @@ def main() -> int:
         if name not in TUNABLE:
             p.error(f"--set: {name} is not one of {', '.join(TUNABLE)}")
         setattr(pa, name, int(value))
-    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases] if args.cases else CASES
+    cases = [(*(int(x) for x in c.removesuffix("v").split("x")), c.endswith("v")) for c in args.cases] \
+        if args.cases else CASES
     bandwidth = copy_bandwidth("cuda")
     print(json.dumps({"kind": "copy", "gb_s": round(bandwidth / 1e9, 1),
                       "gpu": torch.cuda.get_device_name(0)}), flush=True)
@@ -158,7 +166,8 @@ def main() -> int:
     print("\ncopy bandwidth %.0f GB/s" % (bandwidth / 1e9))
     for r in rows:
         if r["kind"] == "kernel":
-            print(f"kernel {r['shape']:14s} {r['kv']:16s} B={r['batch']:3d} ctx={r['context']:6d} {r['ms']:8.4f} ms "
+            print(f"kernel {r['shape']:14s} {r['kv']:16s} B={r['batch']:3d} ctx={r['context']:6d} {r['lengths']:6s} "
+                  f"{r['ms']:8.4f} ms "
                   f"{r['gb_s']:7.0f} GB/s ({100 * r['fraction_of_copy']:.0f}% of copy)")
         else:
             print(f"curve B={r['batch']:3d} default {r['default_tok_s']:9.1f} tok/s  fused "

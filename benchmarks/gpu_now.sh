@@ -27,8 +27,11 @@ if has kernels; then
     KV=$kv PYTHONPATH=. timeout 150 python3 benchmarks/gpu_profile.py --kernels 2>>"$OUT/err.txt" | tee -a "$OUT/kernels.txt" | head -4
   done
 fi
-if has fast; then
-  PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b --cases 64x1024 128x1024 192x1024 256x1024 128x2048 \
-    --kv none fp8 int8 2>>"$OUT/err.txt" | tee "$OUT/fast.txt" | grep -E "^kernel|copy bandwidth"
+if has fast; then  # the decode kernel alone; FAST_SETS: --set variants, one process each ("-": as is)
+  for set in ${FAST_SETS:--}; do
+    PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b \
+      --cases ${FAST_CASES:-128x1024 192x1024 192x1024v 64x2048v} --kv ${FAST_KV:-none fp8} $([ "$set" = - ] || echo --set ${set//,/ }) \
+      2>>"$OUT/err.txt" | sed "s/^/[$set] /" | tee -a "$OUT/fast.txt" | grep -E "\] kernel|copy bandwidth"
+  done
 fi
 tail -3 "$OUT/err.txt" 2>/dev/null; nvidia-smi --query-gpu=name --format=csv,noheader
