@@ -23,7 +23,7 @@ from pagedlm.bench.decode import copy_bandwidth
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels import paged_attention as pa
-from pagedlm.options import EngineOptions, PagedKvOptions
+from pagedlm.options import KV_QUANT_MODES, EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
@@ -140,7 +140,7 @@ def main() -> int:
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768; 192x1024v: lengths varied around 1024 (default: CASES)")
     p.add_argument("--kv", nargs="*", default=["none"], help="KV formats of the kernel rows",
-                   choices=[*kvq.KV_QUANT_MODES, *(m + TOKEN_MAJOR_SUFFIX for m in kvq.QMAX)])
+                   choices=[*KV_QUANT_MODES, *(m + TOKEN_MAJOR_SUFFIX for m in kvq.QMAX)])
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")
     args = p.parse_args()
     for item in args.set:

@@ -10,9 +10,9 @@ exit after the bench's own rows:
   step's own, or the background prefetch) and row count: how many, and
   their median ms (the rows' fill itself, without waiting for a prefetch).
 
-``PROFILE=N``: the main thread under cProfile, its N costliest functions
-(own time, then cumulative) printed at exit (the host's share of a step,
-relative: cProfile slows Python code more than the calls into C it makes).
+- ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
+  grammar rows (perf_counter around each engine call named: how many a
+  step, median ms a call; ``step`` is the whole engine step).
 
 Usage (the bench's arguments after the script; OMP_NUM_THREADS to vary
 torch's intra-op threads): PYTHONPATH=. python3 benchmarks/mask_steps.py
@@ -23,11 +23,8 @@ FILE --structured-batch-sizes 16 64 --json
 from __future__ import annotations
 
 import atexit
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import threading
@@ -45,7 +42,11 @@ _step, _fill_rows = engine_module.LLMEngine.step, matcher_module._fill_rows
 def step(self):
     if os.environ.get("DEFER") == "0":
         self.prefetch_masks = False
+    in_grammar_step[0] = any(seq.matcher is not None for seq in self.scheduler.running)
+    t0 = time.perf_counter()
     out = _step(self)
+    if in_grammar_step[0]:
+        parts.setdefault("step", []).append(time.perf_counter() - t0)
     counts["steps"] += 1
     counts["deferred"] += self._inflight is not None and self._inflight.logits is not None
     return out
@@ -61,25 +62,41 @@ def fill_rows(bitmask, matchers, rows):
         fills.setdefault(key, []).append(time.perf_counter() - t0)
 
 
-profiler = cProfile.Profile() if os.environ.get("PROFILE") else None
+parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps
+PARTS = ("_land", "_launch", "_append", "_advance", "_picked", "_prefetch_masks")
+in_grammar_step = [False]
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if in_grammar_step[0]:
+                parts.setdefault(name, []).append(time.perf_counter() - t0)
+    return wrapper
 
 
 @atexit.register
 def report() -> None:
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
-    print(json.dumps({**counts, "defer": os.environ.get("DEFER") != "0", "fill_rows_ms": by_thread}), flush=True)
-    if profiler is not None:
-        profiler.disable()
-        for order in ("tottime", "cumulative"):
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(int(os.environ["PROFILE"]))
-            print(f"profile by {order}, {counts['steps']} steps:")
-            print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()), flush=True)
+    steps = len(parts.get("step", ())) or 1
+    timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
+    print(json.dumps({**counts, "defer": os.environ.get("DEFER") != "0", "fill_rows_ms": by_thread,
+                      **({"parts_ms": timed_parts} if parts else {})}), flush=True)
 
 
 if __name__ == "__main__":
     engine_module.LLMEngine.step = step
     matcher_module._fill_rows = fill_rows
-    if profiler is not None:
-        profiler.enable()
+    if os.environ.get("PARTS") == "1":
+        for name in PARTS:
+            setattr(engine_module.LLMEngine, name, timed(name, getattr(engine_module.LLMEngine, name)))
+        for name in ("prepare_step", "grammar_masks", "to_device", "pick_on_device"):
+            setattr(engine_module, name, timed(name, getattr(engine_module, name)))
+        import pagedlm.structured as structured_module
+        structured_module.masked_logits = timed("masked_logits", structured_module.masked_logits)
+        import pagedlm.batch.scheduler as scheduler_module
+        scheduler_module.Scheduler.schedule = timed("schedule", scheduler_module.Scheduler.schedule)
     sys.exit(main(sys.argv[1:]))
