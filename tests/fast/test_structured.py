@@ -219,6 +219,33 @@ def test_every_kind_compiles_and_bad_input_is_a_value_error():
         assert "\n" not in str(e.value)
 
 
+def test_a_constraint_is_checked_once_however_spelled(monkeypatch):
+    """llguidance checks each distinct constraint once (milliseconds a
+    schema, which every request bringing it paid): the same schema in
+    another key order or as JSON text is not checked again; a refusal
+    still comes every time, and a different constraint is checked."""
+    from pagedlm.structured import constraint as module
+
+    module._grammar_error.cache_clear()
+    checks = []
+    real = module.llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(module.llguidance.LLMatcher, "validate_grammar",
+                        lambda grammar: checks.append(grammar) or real(grammar))
+    schema = {"type": "object", "properties": {"a": INT, "b": STR}, "required": ["a"]}
+    first = Constraint(json=schema).validate()
+    after_one = len(checks)
+    assert after_one == 2  # the schema alone, then the grammar it is wrapped in
+    reordered = {"required": ["a"], "properties": {"b": STR, "a": INT}, "type": "object"}
+    for again in (Constraint(json=reordered), Constraint(json=json.dumps(schema))):
+        assert again.validate() == first
+    assert len(checks) == after_one
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not compile: unclosed group"):
+            Constraint(regex="(ab").validate()
+    Constraint(regex="(ab)").validate()
+    assert len(checks) == after_one + 2
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """A compiler of the tests' 263-token byte-level tokenizer (built in milliseconds)."""
