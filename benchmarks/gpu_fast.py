@@ -92,7 +92,21 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                              "pool_copies": len(calls), "constants": {k: getattr(pa, k) for k in TUNABLE}})
                 print(json.dumps(rows[-1]), flush=True)
                 del calls
+    for kernel in (pa._decode_split_kernel, pa._decode_merge_kernel):
+        print(json.dumps({"kind": "resources", "kernel": kernel.fn.__name__, "compiled": resources(kernel)}), flush=True)
     return rows
+
+
+def resources(kernel) -> list[dict]:
+    """Registers, spills and shared memory of each variant of a Triton kernel compiled in this process."""
+    out = []
+    for cache in kernel.device_caches.values():
+        for compiled in cache[0].values():
+            meta = compiled.metadata
+            out.append({"regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                        "shared": getattr(meta, "shared", None), "warps": getattr(meta, "num_warps", None),
+                        "stages": getattr(meta, "num_stages", None)})
+    return out
 
 
 def decode_tok_s(engine: LLMEngine, batch: int, prompt: int, gen: int, vocab: int) -> float:

@@ -10,7 +10,7 @@ LIB=/tmp/pylib; [ -d $LIB/llguidance ] || { mkdir -p $LIB && for w in "$CARRY"/*
 cd .now
 has() { [[ " ${NOW_STEPS:-stops profile kernels fast} " == *" $1 "* ]]; }
 if has stops; then
-  PYTHONPATH=.:$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_scheduling_gpu.py \
+  which ncu nsys 2>&1 | head -2; PYTHONPATH=.:$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_scheduling_gpu.py \
     > "$OUT/stops.log" 2>&1; tail -2 "$OUT/stops.log"
 fi
 if has profile; then
@@ -31,7 +31,7 @@ if has fast; then  # the decode kernel alone; FAST_SETS: --set variants, one pro
   for set in ${FAST_SETS:--}; do
     PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b \
       --cases ${FAST_CASES:-128x1024 192x1024 192x1024v 64x2048v} --kv ${FAST_KV:-none fp8} $([ "$set" = - ] || echo --set ${set//,/ }) \
-      2>>"$OUT/err.txt" | sed "s/^/[$set] /" | tee -a "$OUT/fast.txt" | grep -E "\] kernel|copy bandwidth"
+      2>>"$OUT/err.txt" | sed "s/^/[$set] /" | tee -a "$OUT/fast.txt" | grep -E "\] kernel|copy bandwidth|resources"
   done
 fi
 tail -3 "$OUT/err.txt" 2>/dev/null; nvidia-smi --query-gpu=name --format=csv,noheader
