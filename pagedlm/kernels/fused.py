@@ -1,5 +1,5 @@
 """Fused elementwise kernels for CUDA (Triton): RMSNorm (alone, or after the
-residual add), RMSNorm + RoPE (q's and k's heads in one launch), gated activation.
+residual add, or Gemma's norm + add + norm), RMSNorm + RoPE (q's and k's heads in one launch), gated activation.
 
 A decode step of a small model is a chain of tiny kernels; under a CUDA
 graph the launches are free but every kernel still costs its few
@@ -35,25 +35,36 @@ if triton is not None:
         return x.to(DTYPE).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
-                         ADD: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    def _normed(x, w, n, eps, UNIT_OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+        """The norm of float32 row ``x`` by weight ``w``, rounded to DTYPE as the module stores it (as float32)."""
+        h = x * tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), n * 1.0) + eps)
+        if UNIT_OFFSET:  # Gemma: (h * (1 + w)) in float32, then the cast
+            return _round(h * (w + 1.0), DTYPE)
+        return _round(w * _round(h, DTYPE), DTYPE)  # Llama: w * h.to(dtype), a product of two rounded values
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W0, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
+                         PRE: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                         BLOCK: tl.constexpr):
         """The norm of row ``x``; with ADD, of ``s = x + r`` (stored, rounded to
-        Sum's dtype as torch's add stores it, and normed as rounded)."""
+        Sum's dtype as torch's add stores it, and normed as rounded); with PRE,
+        ``x`` is first normed by W0 (Gemma's norm after a sub-layer, before
+        the residual add); without NORM only ``s`` is stored."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < n
         x = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if PRE:
+            x = _normed(x, tl.load(W0 + offs, mask=m, other=0.0).to(tl.float32), n, eps, UNIT_OFFSET,
+                        Sum.dtype.element_ty)
         if ADD:
             r = tl.load(R + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
             x = _round(x + r, Sum.dtype.element_ty)
             tl.store(Sum + row * stride_s + offs, x.to(Sum.dtype.element_ty), mask=m)
-        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-        h = x * tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), n * 1.0) + eps)
-        if UNIT_OFFSET:  # Gemma: (h * (1 + w)) in float32, then the cast
-            y = h * (w + 1.0)
-        else:  # Llama: w * h.to(dtype), a product of two rounded values
-            y = w * _round(h, Out.dtype.element_ty)
-        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
+        if NORM:
+            y = _normed(x, tl.load(W + offs, mask=m, other=0.0).to(tl.float32), n, eps, UNIT_OFFSET,
+                        Out.dtype.element_ty)
+            tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _norm_rope_kernel(X, W, W2, Cos, Sin, Out, Out2, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
@@ -116,22 +127,33 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offset: bool,
+             residual: torch.Tensor | None = None, pre_weight: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``models.layers.RMSNorm`` over the last dimension, one kernel. With a
     ``residual``: the norm of ``s = x + residual`` and ``s`` itself, each bit
     for bit what the add and the norm alone give (``s`` is rounded to the
-    dtype before the norm reads it, as the add stores it)."""
+    dtype before the norm reads it, as the add stores it). With a
+    ``pre_weight`` too, ``x`` is first normed by it (the same ``eps`` and
+    offset): ``s = residual + norm(x)``, Gemma's sandwich; and without a
+    ``weight``, ``s`` alone is returned."""
+    if (pre_weight is not None or weight is None) and residual is None:
+        raise ValueError("rms_norm: a pre_weight, or no weight, needs a residual")
     n = x.shape[-1]
     rows = _rows(x)
     res = rows if residual is None else _rows(residual)
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     total = out if residual is None else torch.empty_like(out)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0),
-                                           out.stride(0), total.stride(0), n, eps, ADD=residual is not None,
-                                           UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(n))
-    return out.view(x.shape) if residual is None else (out.view(x.shape), total.view(x.shape))
+        _rms_norm_kernel[(rows.shape[0],)](rows, res, weight if pre_weight is None else pre_weight,
+                                           out if weight is None else weight, out, total, rows.stride(0),
+                                           res.stride(0), out.stride(0), total.stride(0), n, eps,
+                                           PRE=pre_weight is not None, ADD=residual is not None,
+                                           NORM=weight is not None, UNIT_OFFSET=unit_offset,
+                                           BLOCK=triton.next_power_of_2(n))
+    if residual is None:
+        return out.view(x.shape)
+    return total.view(x.shape) if weight is None else (out.view(x.shape), total.view(x.shape))
 
 
 def qk_norm_rope(x: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tensor,

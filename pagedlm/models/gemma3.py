@@ -126,9 +126,9 @@ class TransformerBlock(nn.Module):
         # the sub-layers take their dtype, the norms after them give back x's.
         dtype = self.input_layernorm.weight.dtype
         attn = self.self_attn(self.input_layernorm(x).to(dtype), rope_rows, kv, step)
-        h = x + self.post_attention_layernorm(attn.to(x.dtype))
-        mlp = self.mlp(self.pre_feedforward_layernorm(h).to(dtype))
-        return h + self.post_feedforward_layernorm(mlp.to(h.dtype))
+        normed, h = self.post_attention_layernorm.norm_add(attn.to(x.dtype), x, then=self.pre_feedforward_layernorm)
+        mlp = self.mlp(normed.to(dtype))
+        return self.post_feedforward_layernorm.norm_add(mlp.to(h.dtype), h)
 
 
 class Gemma3Model(Decoder):

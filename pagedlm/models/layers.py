@@ -43,6 +43,19 @@ class RMSNorm(nn.Module):
         s = x + residual
         return self(s), s
 
+    def norm_add(self, y: torch.Tensor, residual: torch.Tensor,
+                 then: "RMSNorm | None" = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``s = residual + self(y)`` (Gemma's norm after a sub-layer), and
+        with ``then``, its norm of ``s``: ``(then(s), s)``; one kernel on CUDA
+        (the same bits)."""
+        if then is not None and (then.eps, then.unit_offset) != (self.eps, self.unit_offset):
+            raise ValueError("norm_add: the two norms must share eps and offset")
+        if fused.enabled(y):
+            return fused.rms_norm(y, None if then is None else then.weight, self.eps, self.unit_offset, residual,
+                                  pre_weight=self.weight)
+        s = residual + self(y)
+        return s if then is None else (then(s), s)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps, self.unit_offset)

@@ -94,6 +94,39 @@ def test_rms_norm_with_a_residual_is_the_add_then_the_norm_bit_for_bit(unit_offs
     assert torch.equal(total.cpu(), want_total) and close(normed.cpu(), want_normed, dtype)
 
 
+@pytest.mark.parametrize("then", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_add_norm_is_the_three_kernels_bit_for_bit(then, dtype):
+    """Gemma's norm after a sub-layer, the residual add and the next norm in
+    one kernel: the sum and the norm are exactly what the norm alone and then
+    the fused add + norm give, and match the module's torch ops."""
+    dim = 640
+    post, pre = (torch.randn(dim, generator=torch.Generator().manual_seed(s)).to(dtype).to(DEVICE) for s in (4, 5))
+    y, residual = randn(5, dim, dtype=dtype, seed=6), randn(5, dim, dtype=dtype, seed=7)
+    got = fused.rms_norm(y, pre if then else None, 1e-6, True, residual, pre_weight=post)
+    normed_y = fused.rms_norm(y, post, 1e-6, True)
+    if then:
+        want_normed, want_total = fused.rms_norm(normed_y, pre, 1e-6, True, residual)
+        assert torch.equal(got[0], want_normed) and torch.equal(got[1], want_total)
+        assert not torch.equal(got[0], got[1])
+    else:
+        assert torch.equal(got, normed_y + residual)
+    modules = [RMSNorm(dim, 1e-6, unit_offset=True).to(dtype) for _ in range(2)]
+    with torch.no_grad():
+        for module, weight in zip(modules, (post, pre)):
+            module.weight.copy_(weight.cpu())
+    want = modules[0].norm_add(y.cpu(), residual.cpu(), then=modules[1] if then else None)  # the CPU's ops
+    for a, b in zip(got if then else [got], want if then else [want]):
+        assert close(a.cpu(), b, dtype)
+
+
+def test_norm_add_refuses_norms_that_differ_and_a_missing_residual():
+    with pytest.raises(ValueError, match="share eps and offset"):
+        RMSNorm(8, 1e-6, unit_offset=True).norm_add(torch.ones(2, 8), torch.ones(2, 8), then=RMSNorm(8, 1e-5, True))
+    with pytest.raises(ValueError, match="needs a residual"):
+        fused.rms_norm(torch.ones(2, 8, device=DEVICE), None, 1e-6, True)
+
+
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_qk_norm_rope_is_two_norm_ropes_bit_for_bit(with_norm, dtype):
