@@ -2,7 +2,8 @@
 # One device call of the 2026-12-06 session (issues 20 and 22), from a `git archive` in .now:
 # the async test that failed in the full file, alone; the grammar step's host profile at batch 64
 # (picked in the step, then deferred); the workload's kernels with the step's KV bytes; the decode
-# kernel alone at the workload's batch sizes, bf16 and fp8.
+# kernel alone at the workload's batch sizes, bf16 and fp8; batch-1 decode of Gemma 3 270M, this tree
+# against the one in ../.ab (rounds interleaved).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; CARRY=$(pwd)/.carry
@@ -32,6 +33,15 @@ if has fast; then  # the decode kernel alone; FAST_SETS: --set variants, one pro
     PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b \
       --cases ${FAST_CASES:-128x1024 192x1024 192x1024v 64x2048v} --kv ${FAST_KV:-none fp8} $([ "$set" = - ] || echo --set ${set//,/ }) \
       2>>"$OUT/err.txt" | sed "s/^/[$set] /" | tee -a "$OUT/fast.txt" | grep -E "\] kernel|copy bandwidth|resources"
+  done
+fi
+if has gemma; then  # batch-1 decode, this tree (.now) against ../.ab, interleaved
+  for round in 1 2; do
+    for tree in .now .ab; do
+      (cd ../$tree && PYTHONPATH=. timeout 120 python3 -m pagedlm.cli bench decode --random-weights \
+        --model benchmarks/configs/${AB_SHAPE:-gemma3-270m} --device cuda --prompt-len 512 --gen-len 128 --repeats 3 --json) \
+        2>>"$OUT/err.txt" | grep '^{' | sed "s/^/[$tree] /" | tee -a "$OUT/ab.txt" | cut -c1-300
+    done
   done
 fi
 tail -3 "$OUT/err.txt" 2>/dev/null; nvidia-smi --query-gpu=name --format=csv,noheader
