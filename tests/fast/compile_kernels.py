@@ -61,10 +61,10 @@ def cases():
                                     INT8=fmt == "int8"), 4)
     bf16 = "*bf16"
     for unit in (False, True):
-        for add in (False, True):
-            yield (f"rms_norm, add={add}, unit_offset={unit}", fused._rms_norm_kernel,
-                   {"X": bf16, "R": bf16, "W": bf16, "Out": bf16, "Sum": bf16},
-                   dict(ADD=add, UNIT_OFFSET=unit, BLOCK=1024), 4)
+        for pre, add, norm in ((False, False, True), (False, True, True), (True, True, True), (True, True, False)):
+            yield (f"rms_norm, pre={pre}, add={add}, norm={norm}, unit_offset={unit}", fused._rms_norm_kernel,
+                   {"X": bf16, "R": bf16, "W0": bf16, "W": bf16, "Out": bf16, "Sum": bf16},
+                   dict(PRE=pre, ADD=add, NORM=norm, UNIT_OFFSET=unit, BLOCK=1024), 4)
     for norm in (False, True):
         yield (f"norm_rope, norm={norm}", fused._norm_rope_kernel,
                {n: bf16 for n in ("X", "W", "W2", "Cos", "Sin", "Out", "Out2")},
