@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One device call of the 2026-12-06 session (issues 20 and 22), from a `git archive` in .now:
-# the async test that failed in the full file, alone; the grammar step's host profile at batch 64
-# (picked in the step, then deferred); the workload's kernels with the step's KV bytes; the decode
+# the async tests; the grammar step's host parts at batch 64; the workload's kernels with the step's KV bytes; the decode
 # kernel alone at the workload's batch sizes, bf16 and fp8; batch-1 decode of Gemma 3 270M, this tree
 # against the one in ../.ab (rounds interleaved).
 set -uo pipefail
@@ -14,14 +13,12 @@ if has stops; then
   which ncu nsys 2>&1 | head -2; PYTHONPATH=.:$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_async_scheduling_gpu.py \
     > "$OUT/stops.log" 2>&1; tail -2 "$OUT/stops.log"
 fi
-if has profile; then
+if has profile; then  # the host's parts of grammar steps at 64 rows (mask_steps.py PARTS=1)
   dir=/tmp/mask-qwen3-0.6b; mkdir -p $dir; cp benchmarks/configs/qwen3-0.6b/config.json "$CARRY/smollm2-tok"/tokenizer*.json $dir/
-  for defer in 0 1; do
-    DEFER=$defer PARTS=1 OMP_NUM_THREADS=16 PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
-      bench throughput --random-weights --model $dir --device cuda --async-scheduling \
-      --json-schema benchmarks/configs/person.schema.json --structured-batch-sizes 64 --repeats 2 --json \
-      2>>"$OUT/err.txt" | tee -a "$OUT/mask_profile.txt" | grep -E '^\{"steps' 
-  done
+  PARTS=1 OMP_NUM_THREADS=16 PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
+    bench throughput --random-weights --model $dir --device cuda --async-scheduling \
+    --json-schema benchmarks/configs/person.schema.json --structured-batch-sizes 64 --repeats 2 --json \
+    2>>"$OUT/err.txt" | tee -a "$OUT/mask_profile.txt" | grep -E '^\{"steps'
 fi
 if has kernels; then
   for kv in none fp8; do

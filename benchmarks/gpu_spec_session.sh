@@ -7,9 +7,8 @@
 #           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel;
 #           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each), WALKS random text
-#   masksteps benchmarks/mask_steps.py: the mask bench under async with deferred picks and fill times counted,
-#           DEFER over DEFER_MODES ("1 0": grammar steps' picks deferred to the next step, or not),
-#           OMP_NUM_THREADS over MASK_OMP ("16": torch's intra-op threads, which spin beside the lanes)
+#   masksteps benchmarks/mask_steps.py: the mask bench under async with the fill's and the host's parts timed
+#           (PARTS=1), OMP_NUM_THREADS over MASK_OMP ("16": torch's intra-op threads, which spin beside the lanes)
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
 #   ab      the 256-prompt workload with --async-scheduling and --no-async-scheduling, interleaved, ROUNDS rounds
@@ -61,16 +60,14 @@ if has maskfill; then  # the host's fill alone, by lanes (benchmarks/mask_fill.p
       "$CARRY/smollm2-tok" 151936 64) 2>>"$OUT/bench.err" | tee -a "$OUT/mask_fill.jsonl"
   done
 fi
-if has masksteps; then  # async grammar steps: deferred picks and the fill by thread, by torch's thread count
+if has masksteps; then  # async grammar steps: the fill by thread and the host's parts, by torch's thread count
   grammar_lib; dir=/tmp/mask-qwen3-0.6b; mkdir -p $dir
   cp "$NOW/$M/qwen3-0.6b/config.json" "$CARRY/smollm2-tok"/tokenizer*.json $dir/
-  for defer in ${DEFER_MODES:-1 0}; do
-    for omp in ${MASK_OMP:-16}; do
-      (cd "$NOW" && DEFER=$defer OMP_NUM_THREADS=$omp PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
-        bench throughput --random-weights --model $dir --device cuda --async-scheduling \
-        --json-schema $M/person.schema.json --structured-batch-sizes 1 16 64 --repeats 2 --json) \
-        2>>"$OUT/bench.err" | grep '^{' | tee -a "$OUT/mask_steps.jsonl"
-    done
+  for omp in ${MASK_OMP:-16}; do
+    (cd "$NOW" && PARTS=1 OMP_NUM_THREADS=$omp PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
+      bench throughput --random-weights --model $dir --device cuda --async-scheduling \
+      --json-schema $M/person.schema.json --structured-batch-sizes 1 16 64 --repeats 2 --json) \
+      2>>"$OUT/bench.err" | grep '^{' | tee -a "$OUT/mask_steps.jsonl"
   done
 fi
 if has decode; then

@@ -1,15 +1,12 @@
-"""Where a grammar step's fill time goes in the engine: `pagedlm bench ...`
-run in this process with two counters added, printed as one JSON line at
-exit after the bench's own rows:
+"""Where a grammar step's time goes in the engine: `pagedlm bench ...` run
+in this process with counters added, printed as one JSON line at exit after
+the bench's own rows:
 
-- ``deferred``: steps that left their pick to the next step, their grammar
-  rows' masks filling in the background meanwhile (`InFlight.logits`), out
-  of ``steps``; ``DEFER=0`` in the environment picks in the step instead
-  (the engine's ``prefetch_masks`` off), for an A/B in one tree;
 - ``fill_rows_ms``: `structured.matcher._fill_rows` calls by thread (the
-  step's own, or the background prefetch) and row count: how many, and
-  their median ms (the rows' fill itself, without waiting for a prefetch).
-
+  step's own, or the background prefetch of a synchronous step) and row
+  count: how many, and their median ms (the rows' fill itself, without
+  waiting for a prefetch); ``PREFETCH=0`` in the environment turns the
+  engine's ``prefetch_masks`` off (on by default on CUDA);
 - ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
   grammar rows (perf_counter around each engine call named: how many a
   step, median ms a call; ``step`` is the whole engine step).
@@ -34,13 +31,13 @@ import pagedlm.batch.engine as engine_module
 import pagedlm.structured.matcher as matcher_module
 from pagedlm.cli import main
 
-counts = {"steps": 0, "deferred": 0}
+counts = {"steps": 0}
 fills: dict[str, list[float]] = {}
 _step, _fill_rows = engine_module.LLMEngine.step, matcher_module._fill_rows
 
 
 def step(self):
-    if os.environ.get("DEFER") == "0":
+    if os.environ.get("PREFETCH") == "0":
         self.prefetch_masks = False
     in_grammar_step[0] = any(seq.matcher is not None for seq in self.scheduler.running)
     t0 = time.perf_counter()
@@ -48,7 +45,6 @@ def step(self):
     if in_grammar_step[0]:
         parts.setdefault("step", []).append(time.perf_counter() - t0)
     counts["steps"] += 1
-    counts["deferred"] += self._inflight is not None and self._inflight.logits is not None
     return out
 
 
@@ -63,7 +59,7 @@ def fill_rows(bitmask, matchers, rows):
 
 
 parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps
-PARTS = ("_land", "_launch", "_append", "_advance", "_picked", "_prefetch_masks")
+PARTS = ("_land", "_launch", "_append", "_advance", "_prefetch_masks")
 in_grammar_step = [False]
 
 
@@ -83,7 +79,7 @@ def report() -> None:
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
-    print(json.dumps({**counts, "defer": os.environ.get("DEFER") != "0", "fill_rows_ms": by_thread,
+    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_rows_ms": by_thread,
                       **({"parts_ms": timed_parts} if parts else {})}), flush=True)
 
 
