@@ -93,7 +93,8 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                 print(json.dumps(rows[-1]), flush=True)
                 del calls
     for kernel in (pa._decode_split_kernel, pa._decode_merge_kernel):
-        print(json.dumps({"kind": "resources", "kernel": kernel.fn.__name__, "compiled": resources(kernel)}), flush=True)
+        print(json.dumps({"kind": "resources", "kernel": kernel.fn.__name__, "compiled": resources(kernel)}),
+              flush=True)
     return rows
 
 
@@ -152,7 +153,8 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--skip", nargs="*", default=[], choices=["kernel", "curve"])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT", help="e.g. 1x32768; 192x1024v: lengths varied around 1024 (default: CASES)")
+    p.add_argument("--cases", nargs="*", default=None, metavar="BATCHxCONTEXT",
+                   help="e.g. 1x32768; 192x1024v: lengths varied around 1024 (default: CASES)")
     p.add_argument("--kv", nargs="*", default=["none"], help="KV formats of the kernel rows",
                    choices=[*KV_QUANT_MODES, *(m + TOKEN_MAJOR_SUFFIX for m in kvq.QMAX)])
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")

@@ -114,7 +114,8 @@ def kernels() -> None:
     llm, prompts, params = workload_llm(os.environ.get("KV", "none"))
     engine = llm.engine
     step, rows = engine.step, []
-    with torch_profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=skip, warmup=2, active=steps, repeat=1)) as prof:
+    window = schedule(wait=skip, warmup=2, active=steps, repeat=1)
+    with torch_profile(activities=[ProfilerActivity.CUDA], schedule=window) as prof:
         def profiled_step():
             out = step()
             if skip + 2 <= len(rows) < skip + 2 + steps:

@@ -1,5 +1,6 @@
 """Fused elementwise kernels for CUDA (Triton): RMSNorm (alone, or after the
-residual add, or Gemma's norm + add + norm), RMSNorm + RoPE (q's and k's heads in one launch), gated activation.
+residual add, or Gemma's norm + add + norm), RMSNorm + RoPE (q's and k's
+heads in one launch), gated activation.
 
 A decode step of a small model is a chain of tiny kernels; under a CUDA
 graph the launches are free but every kernel still costs its few
