@@ -113,7 +113,7 @@ class TensorParallelLM(nn.Module):
         self._lock = threading.Lock()
         self._stores = 0  # engines' stores made so far (each engine has one; several may be alive)
         self._dropped_stores: list[int] = []  # ids of those garbage-collected, for the workers to drop
-        self._stop = weakref.finalize(self, workers.stop)
+        self._stop = weakref.finalize(self, _shut_down, workers, comm)
         if workers.processes:
             threading.Thread(target=_monitor, args=(weakref.ref(self), workers), daemon=True).start()
 
@@ -176,6 +176,13 @@ class TensorParallelLM(nn.Module):
         exit_soon.daemon = True  # a process that ends first (a CLI printing the error) is not held up
         exit_soon.start()
         return self._failed
+
+
+def _shut_down(workers: _Workers, comm: Comm) -> None:
+    """Stop the workers, then drop rank 0's process groups (a finalizer: the
+    model garbage-collected, ``close``, or the interpreter's exit)."""
+    workers.stop()
+    comm.close()
 
 
 def _monitor(model_ref, workers: _Workers) -> None:
