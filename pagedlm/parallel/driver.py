@@ -17,7 +17,8 @@ raises it again, the workers are stopped, and the process is sent SIGTERM
 after ``FAULT_EXIT_S`` (the server drains and exits; a script ends). A
 monitor thread does the same when a worker exits between steps. Shutdown
 (the model garbage-collected, interpreter exit, Ctrl-C) terminates the
-workers; a worker whose rank 0 is gone exits by itself (``worker``).
+workers and drops rank 0's process groups; a worker whose rank 0 is gone
+exits by itself (``worker``).
 """
 
 from __future__ import annotations
