@@ -96,10 +96,16 @@ class Constraint:
             if not self.choice:
                 raise OptionError("choice must hold at least one string (got [])")
             checked = replace(self, choice=tuple(self.choice))
-        error = _grammar_error(checked.key)
+        error = _grammar_error(checked)
         if error:
             raise OptionError(_refusal(checked, error))
         return checked
+
+    def __hash__(self) -> int:
+        """Its canonical key's (a validated constraint's: a dict field makes
+        the dataclass's own hash fail), so equal constraints, however
+        spelled, share a cache entry (`_grammar_error`)."""
+        return hash(self.key)
 
     @property
     def key(self) -> str:
@@ -242,16 +248,13 @@ def _schema(value: object) -> dict:
 
 
 @functools.lru_cache(maxsize=CHECKED)
-def _grammar_error(key: str) -> str:
-    """What llguidance finds wrong with the constraint whose `Constraint.key`
-    is ``key`` ("" if it compiles), checked once per distinct constraint: a
-    check takes milliseconds (a small schema: ~3 ms on an H100 machine's
-    host), which every request that brings the constraint would pay again."""
-    kind, _, text = key.partition(":")
-    value = json.loads(text) if kind in ("json", "choice") else True if kind == "json_object" else text
-    constraint = Constraint(**{kind: tuple(value) if kind == "choice" else value})
+def _grammar_error(constraint: Constraint) -> str:
+    """What llguidance finds wrong with the (otherwise checked) ``constraint``
+    ("" if it compiles), checked once per distinct constraint: a check takes
+    milliseconds (a small schema: ~3 ms on an H100 machine's host), which
+    every request that brings the constraint would pay again."""
     # A schema alone first: its error then reads as the schema's, not as the Lark wrapper's.
-    error = kind == "json" and llguidance.LLMatcher.validate_grammar(
+    error = constraint.kind == "json" and llguidance.LLMatcher.validate_grammar(
         llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bounded_schema(constraint.json))))
     return error or llguidance.LLMatcher.validate_grammar(constraint.llguidance_grammar())
 
