@@ -8,13 +8,18 @@
 #           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each), WALKS random text
 #   masksteps benchmarks/mask_steps.py: the mask bench under async with the fill's and the host's parts timed
-#           (PARTS=1), OMP_NUM_THREADS over MASK_OMP ("16": torch's intra-op threads, which spin beside the lanes)
+#           (PARTS=1) at MASK_SIZES ("1 16 64"), OMP_NUM_THREADS over MASK_OMP ("16": torch's intra-op
+#           threads, which spin beside the lanes)
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
 #   ab      the 256-prompt workload with --async-scheduling and --no-async-scheduling, interleaved, ROUNDS rounds
 #   profile benchmarks/gpu_profile.py (batch 1 on two shapes, and --workload) with ASYNC=0 then ASYNC=1
 #   kernels benchmarks/gpu_profile.py's device time by kernel: batch-1 graph replays (KERNELS=1, two shapes) and
 #           the 256-prompt workload's steps mid-run (--kernels), bf16 then fp8 KV
+#   sweep   benchmarks/gpu_fast.py, the decode kernel alone on the Qwen3-0.6B shape at SWEEP_CASES, one process per
+#           --set variant of SWEEP_SETS ("-": as is; NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
+#   trees   batch-1 decode (AB_SHAPE, gemma3-270m) of this tree ($NOW) against BASE (a `git archive` of another
+#           commit), interleaved, ROUNDS rounds
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
 # of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).
@@ -66,7 +71,7 @@ if has masksteps; then  # async grammar steps: the fill by thread and the host's
   for omp in ${MASK_OMP:-16}; do
     (cd "$NOW" && PARTS=1 OMP_NUM_THREADS=$omp PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
       bench throughput --random-weights --model $dir --device cuda --async-scheduling \
-      --json-schema $M/person.schema.json --structured-batch-sizes 1 16 64 --repeats 2 --json) \
+      --json-schema $M/person.schema.json --structured-batch-sizes ${MASK_SIZES:-1 16 64} --repeats 2 --json) \
       2>>"$OUT/bench.err" | grep '^{' | tee -a "$OUT/mask_steps.jsonl"
   done
 fi
@@ -95,6 +100,22 @@ if has kernels; then
   (cd "$NOW" && KERNELS=1 PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py qwen3-0.6b gemma3-270m \
     && for kv in ${KV_MODES:-none fp8}; do KV=$kv PYTHONPATH=. timeout 150 python3 benchmarks/gpu_profile.py --kernels; done) \
     2>>"$OUT/bench.err" | tee -a "$OUT/kernels.txt"
+fi
+if has sweep; then
+  for set in ${SWEEP_SETS:--}; do
+    (cd "$NOW" && PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b \
+      --cases ${SWEEP_CASES:-192x1024v 64x2048v} --kv ${SWEEP_KV:-none fp8} $([ "$set" = - ] || echo --set ${set//,/ })) \
+      2>>"$OUT/bench.err" | sed "s/^/[$set] /" | tee -a "$OUT/sweep.txt" | grep -E "\] kernel|copy bandwidth|resources"
+  done
+fi
+if has trees; then
+  for round in $(seq "${ROUNDS:-2}"); do
+    for tree in "$NOW" "${BASE:?trees: BASE names the other tree}"; do
+      (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pagedlm.cli bench decode --random-weights \
+        --model benchmarks/configs/${AB_SHAPE:-gemma3-270m} --device cuda --prompt-len 512 --gen-len 128 --repeats 3 \
+        --json) 2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree] |" | tee -a "$OUT/trees.txt" | cut -c1-300
+    done
+  done
 fi
 if has hf; then
   for quant in none fp8; do
