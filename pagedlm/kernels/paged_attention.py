@@ -155,7 +155,9 @@ if triton is not None:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         z = tl.program_id(2)
-        seq_len = tl.load(SeqLens + b)
+        # int32: int64 lengths (the engine's) make every token index and mask
+        # int64 (168 registers a thread for 8-bit pools instead of 128)
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
         base = _splits_before(SeqLens, b, SPLIT, ROWS)
         lo = tl.maximum(seq_len - window, 0)
         # This program's splits: z, z + programs, ... from the first in the window.
@@ -266,7 +268,7 @@ if triton is not None:
         """A row's split partials, merged in split order, CHUNK at a time."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        seq_len = tl.load(SeqLens + b)
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
         base = _splits_before(SeqLens, b, SPLIT, ROWS)
         first = tl.maximum(seq_len - window, 0) // SPLIT
         d = tl.arange(0, D)
@@ -321,7 +323,7 @@ if triton is not None:
         q_len = tl.load(QueryStart + r + 1) - q_begin
         q0 = (tile - (q_begin // BLOCK_Q + r)) * BLOCK_Q  # this tile's first query in its row
         if q0 < q_len and q_len >= min_queries:
-            seq_len = tl.load(SeqLens + r)
+            seq_len = tl.load(SeqLens + r).to(tl.int32)
             ctx = seq_len - q_len  # keys before the row's first query
             # M = BLOCK_Q queries x G_PAD heads of the group: row m is query m // G_PAD, head m % G_PAD.
             m = tl.arange(0, BLOCK_Q * G_PAD)
