@@ -74,9 +74,19 @@ def prepare_step(
         row_of = np.repeat(np.arange(len(rows)), [n for _, n in rows])
         bs = blocks.block_size
         parts += [padded[row_of, pos // bs] * bs + pos % bs, padded.reshape(-1)]
+    # Each piece starts 16 bytes in (an even count of int64 before it): Triton
+    # specializes a kernel on whether each pointer is 16-byte aligned, so a
+    # piece 8 bytes off in some steps would compile every kernel it feeds a
+    # second time, mid-run (~1 s each).
     sizes = [len(p) for p in parts]
-    packed = to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), torch.long, device)
-    input_ids, positions_t, seq_lens, logits_rows, at, src, *paged = packed.split(sizes)
+    flat = np.zeros(sum(n + n % 2 for n in sizes), dtype=np.int64)
+    at_ = 0
+    for piece, n in zip(parts, sizes):
+        flat[at_ : at_ + n] = piece
+        at_ += n + n % 2
+    packed = to_device(flat, torch.long, device)
+    input_ids, positions_t, seq_lens, logits_rows, at, src, *paged = (
+        t[:n] for t, n in zip(packed.split([n + n % 2 for n in sizes]), sizes))
     if fed_at:
         input_ids.index_copy_(0, at, feed[1].index_select(0, src))
     return StepBatch(

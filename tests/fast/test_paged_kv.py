@@ -307,6 +307,27 @@ def test_mixed_step_rows_bounds_and_sampling():
     assert no_blocks.positions.tolist() == step.positions.tolist()
 
 
+@pytest.mark.parametrize("shape", [((4, 1, 4), 3), ((1,), 1), ((3, 1), 2), ((2, 2, 1, 1, 5), 4)])
+def test_step_tensors_start_16_byte_aligned(shape):
+    """Every tensor of a step starts at a multiple of 16 bytes, whatever the
+    row and token counts: Triton compiles a kernel again for a pointer that
+    is only 8-byte aligned, so a step whose counts put a piece 8 bytes off
+    would recompile the kernels it feeds in the middle of a run."""
+    news, prompt = shape
+    bm = BlockManager(num_blocks=64, block_size=2)
+    rows = []
+    for i, n in enumerate(news):
+        seq = FakeSeq(i, list(range(10 * i, 10 * i + prompt + n)), num_computed=prompt)
+        assert bm.allocate_slots(seq.seq_id, seq.num_computed + n) == []
+        rows.append((seq, n))
+    step = prepare_step(rows, CPU, bm)
+    tensors = {name: getattr(step, name) for name in ("input_ids", "positions", "seq_lens", "logits_rows",
+                                                       "slot_mapping", "block_tables")}
+    assert {name: t.data_ptr() % 16 for name, t in tensors.items()} == dict.fromkeys(tensors, 0)
+    assert step.seq_lens.tolist() == [prompt + n for n in news]
+    assert step.slot_mapping.numel() == step.input_ids.numel() == sum(news)
+
+
 # -- KVStore: paged against default against brute force -----------------------
 
 WINDOW = 5
