@@ -8,8 +8,10 @@ Each bench module imports from here and from no other bench module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -196,3 +198,34 @@ def hf_model(spec: str, random_weights: bool, ours_model, device: str, dtype: to
     if config_dict.get("tie_word_embeddings"):
         hf.tie_weights()
     return hf.eval()
+
+
+# -- kernel compiles inside a timed run ------------------------------------------------
+
+
+@contextlib.contextmanager
+def kernel_compiles():
+    """The Triton kernels compiled (or loaded from triton's disk cache) while
+    the block runs, by name: a timed run should compile nothing, and a
+    kernel that meets a new specialization mid-run (a pointer 8 bytes off
+    its usual 16-byte alignment, a length of 1) costs about a second there.
+    Each compile is also written to stderr in full (argument types and
+    specializations), so the run says what to warm up. Empty without triton."""
+    seen: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield seen
+        return
+    before = knobs.runtime.jit_post_compile_hook
+
+    def hook(*, repr, fn, **_):  # noqa: A002 - triton's keyword
+        seen.append(fn.name.rsplit(".", 1)[-1])  # a qualified name: the function's own
+        print(f"bench: a kernel compiled inside a timed run: {repr}", file=sys.stderr)
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield seen
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+

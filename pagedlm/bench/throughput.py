@@ -47,7 +47,7 @@ from .. import options as opt
 from ..cache.layout import token_bytes
 from ..llm import LLM
 from ..params import SamplingParams
-from .common import default_store, fastest_config, hf_model, load_for_bench, paged_configs
+from .common import default_store, fastest_config, hf_model, kernel_compiles, load_for_bench, paged_configs
 
 Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
 
@@ -87,6 +87,7 @@ class Run:
     stats: object = None  # KVStats (ours)
     error: str | None = None
     api: str | None = None
+    compiles: tuple[str, ...] = ()  # Triton kernels compiled inside the timed run (kernel_compiles)
 
     @property
     def tok_s(self) -> float:
@@ -105,15 +106,16 @@ def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: s
 
     def run() -> Run:
         _sync(device)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
-        dt = time.perf_counter() - t0
+        with kernel_compiles() as compiled:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            _sync(device)
+            dt = time.perf_counter() - t0
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         expected = sum(n for _, n in work)
         if produced != expected:
             raise RuntimeError(f"the engine produced {produced} output tokens, {expected} were asked for")
-        return Run(dt, produced, llm.stats)
+        return Run(dt, produced, llm.stats, compiles=tuple(compiled))
 
     run.llm = llm  # type: ignore[attr-defined]
     return run
@@ -341,6 +343,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
                "total_tok_s": round((base["input_tokens"] + r.output_tokens) / r.seconds, 2),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
+               "kernel_compiles_in_runs": [len(x.compiles) for x in runs[name]],
                "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
                "kv_live_fraction": round(s.live_fraction, 4),
                "kv_bytes_padded": round(s.kv_bytes_padded),

@@ -150,3 +150,31 @@ def test_decode_row_is_the_same_alone_and_in_a_full_batch(mode):
     alone = pa.paged_decode(q[:1], k_pool, v_pool, tables[:1], seq_lens[:1], d**-0.5, scales=scales)
     assert pa.decode_programs(1, hkv, q.device) > pa.decode_programs(40, hkv, q.device)
     assert torch.equal(batch[:1], alone)
+
+
+def test_bench_counts_kernels_compiled_inside_a_run():
+    """`bench throughput`'s ``kernel_compiles_in_runs``: a kernel meeting a
+    new specialization inside the block is counted (a first call, then a
+    pointer 8 bytes off 16-byte alignment: the case ``prepare_step`` pads
+    against); a call that reuses a compiled kernel is not."""
+    import triton
+    import triton.language as tl
+
+    from pagedlm.bench.common import kernel_compiles
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+    x = torch.arange(64, device="cuda", dtype=torch.int64)
+    y = torch.empty_like(x)
+    with kernel_compiles() as first:
+        copy[(1,)](x, y, 32, BLOCK=64)
+    with kernel_compiles() as again:
+        copy[(1,)](x[2:], y, 32, BLOCK=64)  # 16 bytes in: still aligned
+    with kernel_compiles() as shifted:
+        copy[(1,)](x[1:], y, 32, BLOCK=64)  # 8 bytes in
+    torch.cuda.synchronize()
+    assert (first, again, shifted) == (["copy"], [], ["copy"])
+    assert torch.equal(y[:32], x[1:33])
