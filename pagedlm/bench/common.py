@@ -219,9 +219,18 @@ def kernel_compiles():
         return
     before = knobs.runtime.jit_post_compile_hook
 
-    def hook(*, repr, fn, **_):  # noqa: A002 - triton's keyword
-        seen.append(fn.name.rsplit(".", 1)[-1])  # a qualified name: the function's own
-        print(f"bench: a kernel compiled inside a timed run: {repr}", file=sys.stderr)
+    def hook(*, fn, compile, **_):  # noqa: A002 - triton's keyword
+        name = fn.name.rsplit(".", 1)[-1]  # a qualified name: the function's own
+        seen.append(name)
+        try:  # which specialization: triton's internals, read for the message only
+            args = list(compile["signature"])
+            aligned = sorted(args[k[0]] for k, a in compile["configs"][0].items() if ["tt.divisibility", 16] in a)
+            fixed = {args[k[0]]: v for k, v in compile["constants"].items()
+                     if not fn.jit_function.params[k[0]].is_constexpr}
+            detail = f"; 16-aligned or divisible by 16: {', '.join(aligned)}; specialized to constants: {fixed}"
+        except Exception:  # noqa: BLE001 - another triton's layout: the name alone
+            detail = ""
+        print(f"bench: a kernel compiled inside a timed run: {name}{detail}", file=sys.stderr)
 
     knobs.runtime.jit_post_compile_hook = hook
     try:

@@ -141,7 +141,9 @@ if triton is not None:
             total += tl.sum((lens + SPLIT - 1) // SPLIT).to(tl.int32)  # the lengths are int64: keep int32
         return total
 
-    @triton.jit
+    # Not specialized on what changes between eager steps (the table's width, the program
+    # count: 1 or more), so that a run compiles the kernel once per layout, never mid-run.
+    @triton.jit(do_not_specialize=["stride_tb", "scale", "window", "programs"])
     def _decode_split_kernel(
         Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart,
         stride_qb, stride_qh, stride_tb, stride_os, stride_oh, stride_ls, stride_lh,
