@@ -254,6 +254,27 @@ def test_threaded_one_row_products_match_transformers(pair, monkeypatch):
     torch.testing.assert_close(logits, hf(out[:, :-1]).logits[0], atol=ATOL, rtol=0)
 
 
+@torch.no_grad()
+def test_multi_row_products_in_onednn_match_transformers(pair, monkeypatch):
+    """Prompt chunks through ``kernels.cpu.linear``'s oneDNN path (every
+    product of two rows or more here; the real models take it from
+    ``ONEDNN_MIN_ROWS``): same greedy tokens, logits within ATOL, and the
+    path really ran (on x86, where it is taken)."""
+    family, hf, ours = pair
+    prompt, chunks = CASES["mixed-chunks"]
+    monkeypatch.setattr(cpu, "ONEDNN_MIN_ROWS", 2)
+    calls = []
+    onednn = cpu._onednn_linear
+    monkeypatch.setattr(cpu, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
+    tokens, logits = run_ours(ours, prompt, chunks, NEW_TOKENS)
+    assert len(calls) > 0 or not cpu._ONEDNN
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert tokens == out[0, len(prompt) :].tolist()
+    torch.testing.assert_close(logits, hf(out[:, :-1]).logits[0], atol=ATOL, rtol=0)
+
+
 def test_weights_are_k_major_for_float32_cpu_only(pair):
     """Projection and embedding weights keep their HF shapes ``[out, in]``;
     in float32 on the CPU they live K-major (``[in, out]`` in memory), in any
