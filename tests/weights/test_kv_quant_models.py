@@ -13,10 +13,8 @@ import inspect
 import math
 
 import pytest
-import torch
 
 from pagedlm.llm import LLM
-from pagedlm.loading import load
 from pagedlm.params import SamplingParams
 
 pytestmark = pytest.mark.weights
@@ -34,8 +32,8 @@ MEAN_TOKEN_CHANGE = {"int8": 0.2, "fp8": 0.2}
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def loaded(request):
-    model, tokenizer = load(request.param, "cpu", torch.float32)
+def loaded(request, float32_model):
+    model, tokenizer = float32_model(request.param)  # shared, read only (tests/weights/conftest.py)
     return request.param, model, tokenizer
 
 
@@ -48,10 +46,16 @@ def _prompt_logprobs(model, tokenizer, kv_quant: str) -> list[float]:
     return [lp[t].logprob for o in outs for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
 
 
+@pytest.fixture(scope="module")
+def plain(loaded) -> list[float]:
+    """The reference: the prompt logprobs with unquantized pools, once per model for both modes."""
+    _, model, tokenizer = loaded
+    return _prompt_logprobs(model, tokenizer, "none")
+
+
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
-def test_8_bit_blocks_change_real_text_logprobs_little(loaded, mode):
+def test_8_bit_blocks_change_real_text_logprobs_little(loaded, plain, mode):
     name, model, tokenizer = loaded
-    plain = _prompt_logprobs(model, tokenizer, "none")
     quant = _prompt_logprobs(model, tokenizer, mode)
     assert len(plain) == len(quant) == 699 + 299 + 199
     nll_plain, nll_quant = -sum(plain) / len(plain), -sum(quant) / len(quant)

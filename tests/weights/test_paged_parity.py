@@ -12,11 +12,9 @@ import argparse
 import inspect
 
 import pytest
-import torch
 
 from pagedlm.cache.kv import RotatingKVCache
 from pagedlm.llm import LLM
-from pagedlm.loading import load
 from pagedlm.params import SamplingParams
 
 pytestmark = pytest.mark.weights
@@ -28,8 +26,8 @@ MAX_MODEL_LEN = 4096  # the pool must hold one sequence of it; with prefix cachi
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def loaded(request):
-    model, tokenizer = load(request.param, "cpu", torch.float32)
+def loaded(request, float32_model):
+    model, tokenizer = float32_model(request.param)  # shared, read only (tests/weights/conftest.py)
     return request.param, model, tokenizer
 
 

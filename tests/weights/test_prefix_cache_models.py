@@ -9,10 +9,8 @@ import argparse
 import inspect
 
 import pytest
-import torch
 
 from pagedlm.llm import LLM
-from pagedlm.loading import load
 from pagedlm.params import SamplingParams
 
 pytestmark = pytest.mark.weights
@@ -23,8 +21,8 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def loaded(request):
-    model, tokenizer = load(request.param, "cpu", torch.float32)
+def loaded(request, float32_model):
+    model, tokenizer = float32_model(request.param)  # shared, read only (tests/weights/conftest.py)
     return request.param, model, tokenizer
 
 

@@ -33,8 +33,10 @@ def _forced_top2(model, ids: list[int], follow: list[int]) -> list[tuple[int, fl
     return steps
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_smollm2_agrees_with_float_except_at_near_ties(mode):
+@pytest.fixture(scope="module")
+def float_smollm2() -> tuple[list[int], list[int], list[tuple[int, float]]]:
+    """(prompt ids, the float model's greedy text, its forced top-2 along it): the
+    reference of both modes below, computed once."""
     if BUILTINS["smollm2-135m-instruct"].locate() is None:
         pytest.skip(BUILTINS["smollm2-135m-instruct"].install)
     model, tok = load("smollm2-135m-instruct")
@@ -44,7 +46,12 @@ def test_quantized_smollm2_agrees_with_float_except_at_near_ties(mode):
     for _ in range(48):  # the float model's greedy continuation
         text.append(int(logits.argmax()))
         logits = solo([text[-1]])[-1]
-    want = _forced_top2(model, ids, text)
+    return ids, text, _forced_top2(model, ids, text)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_smollm2_agrees_with_float_except_at_near_ties(float_smollm2, mode):
+    ids, text, want = float_smollm2
     got = _forced_top2(load("smollm2-135m-instruct", quantization=mode)[0], ids, text)
     differ = [(i, margin) for i, ((a, margin), (b, _)) in enumerate(zip(want, got)) if a != b]
     assert len(differ) <= len(text) // 10, differ

@@ -13,10 +13,8 @@ plain decode rows.
 import json
 
 import pytest
-import torch
 
 from pagedlm.llm import LLM
-from pagedlm.loading import load
 from pagedlm.params import SamplingParams
 
 pytestmark = pytest.mark.weights
@@ -29,8 +27,8 @@ RUNS = [("default", None, 1), ("default", None, 8), ("paged", 16, 3), ("paged", 
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def loaded(request):
-    model, tokenizer = load(request.param, "cpu", torch.float32)
+def loaded(request, float32_model):
+    model, tokenizer = float32_model(request.param)  # shared, read only (tests/weights/conftest.py)
     return request.param, model, tokenizer
 
 

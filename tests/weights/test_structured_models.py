@@ -36,10 +36,8 @@ from typing import Any, Callable, NamedTuple
 
 import jsonschema
 import pytest
-import torch
 
 from pagedlm.llm import LLM
-from pagedlm.loading import load
 from pagedlm.params import SamplingParams
 from tests.schemas import CHOICES, REGEXES, SCHEMAS
 
@@ -117,10 +115,9 @@ def _prompt(name: str, task: Task, item):
     return f"{task.header}\n\n{shots}{task.ask(item)}\n{task.label}\n"
 
 
-def _run(name: str) -> tuple[LLM, list[Row], list]:
+def _run(name: str, model, tokenizer) -> tuple[LLM, list[Row], list]:
     """(the LLM, the rows, each row's completion) of one batched call over every row."""
     rows = _rows()
-    model, tokenizer = load(name, "cpu", torch.float32)
     llm = LLM(model, tokenizer=tokenizer, paged_kv=True, max_num_seqs=len(rows))
     run = llm.chat if name in CHAT_MODELS else llm.generate
     outputs = run([_prompt(name, r.task, r.item) for r in rows], [r.params for r in rows], use_tqdm=False)
@@ -128,8 +125,9 @@ def _run(name: str) -> tuple[LLM, list[Row], list]:
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def served(request) -> tuple[str, LLM, list[Row], list]:
-    return request.param, *_run(request.param)
+def served(request, float32_model) -> tuple[str, LLM, list[Row], list]:
+    # the float32 model shared, read only (tests/weights/conftest.py)
+    return request.param, *_run(request.param, *float32_model(request.param))
 
 
 def _problem(row: Row, out) -> str | None:

@@ -64,10 +64,10 @@ OPTIONS = dict(max_model_len=1024, kv_budget_bytes=1 << 28)
 _REFERENCE: dict[str, tuple] = {}
 
 
-def _reference(name: str, stores: tuple[bool, ...]):
+def _reference(name: str, stores: tuple[bool, ...], float32_model):
     """(prompts, tokenizer, one rank's (ids, logits) per store (paged or not), weight bytes) of ``name``, once."""
     if name not in _REFERENCE:
-        model, tokenizer = load(name, "cpu", torch.float32)
+        model, tokenizer = float32_model(name)  # shared (tests/weights/conftest.py); Logits puts it back
         shared = tokenizer.decode(tokenizer.encode(" ".join(PROMPTS) * 3))  # a shared prefix of several blocks
         prompts = PROMPTS + [shared + " first", shared + " second"]
         expected = {paged: _generate(LLM(model, tokenizer=tokenizer, paged_kv=paged, **OPTIONS), prompts)
@@ -80,8 +80,8 @@ def _reference(name: str, stores: tuple[bool, ...]):
 # is the one with prefix caching; the default store is SmolLM2's to check).
 @pytest.mark.parametrize("name,size,stores", [(SMOLLM, 2, (False, True)), (SMOLLM, 4, (False, True)),
                                               (GEMMA, 2, (True,))])
-def test_ranks_match_one_rank(name, size, stores):
-    prompts, tokenizer, expected, full = _reference(name, stores)
+def test_ranks_match_one_rank(name, size, stores, float32_model):
+    prompts, tokenizer, expected, full = _reference(name, stores, float32_model)
     tp = LLM(name, tensor_parallel_size=size, **OPTIONS)  # each rank reads only its slices
     try:
         for paged in stores:
