@@ -41,12 +41,14 @@ bfloat16 (``tests/weights/test_compiled_models.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
 import warnings
 import weakref
 from itertools import count
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -172,7 +174,18 @@ class ResidualOutsideGemm(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        """Part of every cached graph's key: the whole package's source. A
+        cached graph carries the guards its trace added, and code that only
+        changes a guard (a row count tested before a branch not taken) leaves
+        the graph, hence the key, as it was: a stale entry's guard then
+        contradicts the step's dynamic rows and the warm-up fails."""
+        return _package_hash()
+
+
+@functools.cache
+def _package_hash() -> bytes:
+    root = Path(__file__).resolve().parent.parent
+    return get_hash_for_files(tuple(str(f) for f in sorted(root.rglob("*.py"))))
 
 
 def inductor_options(model: torch.nn.Module) -> dict:

@@ -43,8 +43,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     one-row ``bmm`` into a reduction loop of its own, 3-10x slower than the
     library's product, and MKL's one-row product is what it calls instead."""
     out_features, in_features = weight.shape
-    if (_ONEDNN and 0 < ONEDNN_MIN_ROWS <= x.numel() // in_features and weight.dtype == torch.float32
-            and x.dtype == torch.float32 and weight.device.type == "cpu" and not torch.compiler.is_compiling()):
+    # (Compiling first: a test of a traced row count would guard the compiled graph on it.)
+    if (not torch.compiler.is_compiling() and _ONEDNN and 0 < ONEDNN_MIN_ROWS <= x.numel() // in_features
+            and weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"):
         return _onednn_linear(x, weight, bias)
     if (
         torch.compiler.is_compiling()

@@ -76,3 +76,22 @@ def test_bench_throughput_rows_say_whether_they_ran_compiled(tmp_path, capsys):
         assert main(argv + flag) == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
         assert rows and all(r["compiled"] is compiled for r in rows)
+
+
+def test_compiled_graph_cache_keys_on_the_whole_package(monkeypatch):
+    """A cached compiled step carries the guards its trace added; code that
+    changes only a guard (a row count tested before a branch not taken)
+    leaves the traced graph as it was. So the cache key hashes every module
+    the step's trace runs through (the products in kernels.cpu, the layers),
+    not compiled.py alone: a stale guard otherwise failed the warm-up."""
+    from pagedlm.batch import compiled
+
+    hashed = []
+    monkeypatch.setattr(compiled, "get_hash_for_files", lambda files: hashed.extend(files) or b"h")
+    compiled._package_hash.cache_clear()
+    try:
+        assert compiled.ResidualOutsideGemm().uuid() == b"h"
+    finally:
+        compiled._package_hash.cache_clear()
+    names = {"/".join(f.split("/")[-3:]) for f in hashed}
+    assert {"pagedlm/kernels/cpu.py", "pagedlm/models/layers.py", "pagedlm/batch/compiled.py"} <= names
