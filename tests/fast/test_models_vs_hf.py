@@ -226,6 +226,23 @@ def test_greedy_trajectory_matches_transformers_generate(pair, case):
     assert_greedy_matches(hf, ours, case)
 
 
+def counted(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` for the test; the list grows by one a call."""
+    calls, fn = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(1) or fn(*a))
+    return calls
+
+
+def assert_generates(hf, prompt: list[int], tokens: list[int], logits: torch.Tensor) -> None:
+    """Our greedy ``tokens`` after ``prompt`` are transformers' ``generate``'s,
+    and our ``logits`` along them are within ATOL of its."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert tokens == out[0, len(prompt) :].tolist()
+    torch.testing.assert_close(logits, hf(out[:, :-1]).logits[0], atol=ATOL, rtol=0)
+
+
 @torch.no_grad()
 def test_threaded_one_row_products_match_transformers(pair, monkeypatch):
     """Decode through ``kernels.cpu.linear``'s threaded path on every
@@ -234,9 +251,7 @@ def test_threaded_one_row_products_match_transformers(pair, monkeypatch):
     family, hf, ours = pair
     prompt, chunks = CASES["mixed-chunks"]
     monkeypatch.setattr(cpu, "SPLIT_MIN_BYTES", 0)
-    calls = []
-    bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or bmm(*a))
+    calls = counted(monkeypatch, torch, "bmm")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -247,11 +262,7 @@ def test_threaded_one_row_products_match_transformers(pair, monkeypatch):
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in ours.modules()) + 1  # + tied head
     assert len(calls) >= 2 * (NEW_TOKENS - 1) * (n_linear - 1)
     assert tokens == again and torch.equal(logits, logits_again)  # deterministic
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert tokens == out[0, len(prompt) :].tolist()
-    torch.testing.assert_close(logits, hf(out[:, :-1]).logits[0], atol=ATOL, rtol=0)
+    assert_generates(hf, prompt, tokens, logits)
 
 
 @torch.no_grad()
@@ -263,16 +274,10 @@ def test_multi_row_products_in_onednn_match_transformers(pair, monkeypatch):
     family, hf, ours = pair
     prompt, chunks = CASES["mixed-chunks"]
     monkeypatch.setattr(cpu, "ONEDNN_MIN_ROWS", 2)
-    calls = []
-    onednn = cpu._onednn_linear
-    monkeypatch.setattr(cpu, "_onednn_linear", lambda *a: calls.append(1) or onednn(*a))
+    calls = counted(monkeypatch, cpu, "_onednn_linear")
     tokens, logits = run_ours(ours, prompt, chunks, NEW_TOKENS)
     assert len(calls) > 0 or not cpu._ONEDNN
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert tokens == out[0, len(prompt) :].tolist()
-    torch.testing.assert_close(logits, hf(out[:, :-1]).logits[0], atol=ATOL, rtol=0)
+    assert_generates(hf, prompt, tokens, logits)
 
 
 def test_weights_are_k_major_for_float32_cpu_only(pair):
