@@ -79,14 +79,13 @@ def prepare_step(
     # piece 8 bytes off in some steps would compile every kernel it feeds a
     # second time, mid-run (~1 s each).
     sizes = [len(p) for p in parts]
-    flat = np.zeros(sum(n + n % 2 for n in sizes), dtype=np.int64)
-    at_ = 0
-    for piece, n in zip(parts, sizes):
-        flat[at_ : at_ + n] = piece
-        at_ += n + n % 2
+    spans = [n + n % 2 for n in sizes]
+    flat = np.zeros(sum(spans), dtype=np.int64)
+    for piece, start, n in zip(parts, np.cumsum([0, *spans]), sizes):
+        flat[start : start + n] = piece
     packed = to_device(flat, torch.long, device)
     input_ids, positions_t, seq_lens, logits_rows, at, src, *paged = (
-        t[:n] for t, n in zip(packed.split([n + n % 2 for n in sizes]), sizes))
+        t[:n] for t, n in zip(packed.split(spans), sizes))
     if fed_at:
         input_ids.index_copy_(0, at, feed[1].index_select(0, src))
     return StepBatch(

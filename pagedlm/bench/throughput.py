@@ -87,7 +87,7 @@ class Run:
     stats: object = None  # KVStats (ours)
     error: str | None = None
     api: str | None = None
-    compiles: tuple[str, ...] = ()  # Triton kernels compiled inside the timed run (kernel_compiles)
+    compiles: int = 0  # Triton kernels compiled inside the timed run (kernel_compiles)
 
     @property
     def tok_s(self) -> float:
@@ -115,7 +115,7 @@ def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: s
         expected = sum(n for _, n in work)
         if produced != expected:
             raise RuntimeError(f"the engine produced {produced} output tokens, {expected} were asked for")
-        return Run(dt, produced, llm.stats, compiles=tuple(compiled))
+        return Run(dt, produced, llm.stats, compiles=len(compiled))
 
     run.llm = llm  # type: ignore[attr-defined]
     return run
@@ -343,7 +343,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
                "total_tok_s": round((base["input_tokens"] + r.output_tokens) / r.seconds, 2),
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
-               "kernel_compiles_in_runs": [len(x.compiles) for x in runs[name]],
+               "kernel_compiles_in_runs": [x.compiles for x in runs[name]],
                "kv_bytes_allocated": round(s.kv_bytes_allocated), "kv_bytes_live": round(s.kv_bytes_live),
                "kv_live_fraction": round(s.live_fraction, 4),
                "kv_bytes_padded": round(s.kv_bytes_padded),

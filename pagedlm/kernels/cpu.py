@@ -43,19 +43,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     one-row ``bmm`` into a reduction loop of its own, 3-10x slower than the
     library's product, and MKL's one-row product is what it calls instead."""
     out_features, in_features = weight.shape
-    # (Compiling first: a test of a traced row count would guard the compiled graph on it.)
-    if (not torch.compiler.is_compiling() and _ONEDNN and 0 < ONEDNN_MIN_ROWS <= x.numel() // in_features
-            and weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"):
-        return _onednn_linear(x, weight, bias)
-    if (
-        torch.compiler.is_compiling()
-        or x.numel() != in_features  # more than one row: a GEMM, threaded already
-        or weight.dtype != torch.float32
-        or weight.numel() * 4 < SPLIT_MIN_BYTES
-        or weight.device.type != "cpu"
-        or not is_k_major(weight)
-    ):
+    # Compiling first: testing a traced row count would guard the compiled graph on it.
+    if torch.compiler.is_compiling() or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return F.linear(x, weight, bias)
+    n_rows = x.numel() // in_features
+    if _ONEDNN and 0 < ONEDNN_MIN_ROWS <= n_rows and x.dtype == torch.float32:
+        return _onednn_linear(x, weight, bias)
+    if n_rows != 1 or weight.numel() * 4 < SPLIT_MIN_BYTES or not is_k_major(weight):
+        return F.linear(x, weight, bias)  # several rows: a GEMM, threaded already
     blocks = torch.get_num_threads()
     if blocks < 2 or in_features % blocks:
         return F.linear(x, weight, bias)
