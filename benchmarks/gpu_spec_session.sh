@@ -8,8 +8,10 @@
 #           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each), WALKS random text
 #   masksteps benchmarks/mask_steps.py: the mask bench under async with the fill's and the host's parts timed
-#           (PARTS=1) at MASK_SIZES ("1 16 64"), OMP_NUM_THREADS over MASK_OMP ("16": torch's intra-op
-#           threads, which spin beside the lanes)
+#           (PARTS=1) at MASK_SIZES ("1 16 64"), OMP_NUM_THREADS=MASK_OMP ("16": torch's intra-op threads,
+#           which spin beside the lanes), PREFETCH over PREFETCHES ("1"; 0 turns the background fill off);
+#           with BASE (another tree) that tree too, interleaved over ROUNDS (1)
+#   workload the 256-prompt workload, bf16 and fp8 KV (no transformers), for kernel_compiles_in_runs
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
 #   ab      the 256-prompt workload with --async-scheduling and --no-async-scheduling, interleaved, ROUNDS rounds
@@ -65,15 +67,16 @@ if has maskfill; then  # the host's fill alone, by lanes (benchmarks/mask_fill.p
       "$CARRY/smollm2-tok" 151936 64) 2>>"$OUT/bench.err" | tee -a "$OUT/mask_fill.jsonl"
   done
 fi
-if has masksteps; then  # async grammar steps: the fill by thread and the host's parts, by torch's thread count
-  grammar_lib; dir=/tmp/mask-qwen3-0.6b; mkdir -p $dir
+if has masksteps; then  # async grammar steps: the fill by thread and the host's parts, by torch's thread count;
+  grammar_lib; dir=/tmp/mask-qwen3-0.6b; mkdir -p $dir  # with BASE, that tree too, interleaved over ROUNDS
   cp "$NOW/$M/qwen3-0.6b/config.json" "$CARRY/smollm2-tok"/tokenizer*.json $dir/
-  for omp in ${MASK_OMP:-16}; do
-    (cd "$NOW" && PARTS=1 OMP_NUM_THREADS=$omp PYTHONPATH=.:$LIB timeout 150 python3 benchmarks/mask_steps.py \
+  script=$(cd "$NOW" && pwd)/benchmarks/mask_steps.py
+  for round in $(seq "${ROUNDS:-1}"); do for tree in "$NOW" ${BASE:-}; do for pre in ${PREFETCHES:-1}; do
+    (cd "$tree" && PARTS=1 PREFETCH=$pre OMP_NUM_THREADS=${MASK_OMP:-16} PYTHONPATH=.:$LIB timeout 150 python3 "$script" \
       bench throughput --random-weights --model $dir --device cuda --async-scheduling \
       --json-schema $M/person.schema.json --structured-batch-sizes ${MASK_SIZES:-1 16 64} --repeats 2 --json) \
-      2>>"$OUT/bench.err" | grep '^{' | tee -a "$OUT/mask_steps.jsonl"
-  done
+      2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree prefetch=$pre] |" | tee -a "$OUT/mask_steps.jsonl" | cut -c1-600
+  done; done; done
 fi
 if has decode; then
   for cfg in ${SHAPES:-gemma3-270m qwen3-0.6b llama-3.1-8b}; do
@@ -115,6 +118,12 @@ if has trees; then
         --model benchmarks/configs/${AB_SHAPE:-gemma3-270m} --device cuda --prompt-len 512 --gen-len 128 --repeats 3 \
         --json) 2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree] |" | tee -a "$OUT/trees.txt" | cut -c1-300
     done
+  done
+fi
+if has workload; then
+  for quant in none fp8; do
+    bench workload.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
+      --min-len 100 --max-len 1024 --seed 0 --stores paged --attention-backend triton --kv-quant $quant
   done
 fi
 if has hf; then

@@ -3,10 +3,11 @@ in this process with counters added, printed as one JSON line at exit after
 the bench's own rows:
 
 - ``fill_rows_ms``: `structured.matcher._fill_rows` calls by thread (the
-  step's own, or the background prefetch of a synchronous step) and row
-  count: how many, and their median ms (the rows' fill itself, without
-  waiting for a prefetch); ``PREFETCH=0`` in the environment turns the
-  engine's ``prefetch_masks`` off (on by default on CUDA);
+  step's own, or the background thread's: a synchronous step's prefetch, an
+  async step's advance ahead) and row count: how many, and their median ms
+  (the rows' fill itself, without waiting for a prefetch); ``PREFETCH=0`` in
+  the environment turns the engine's ``prefetch_masks`` off (on by default
+  on CUDA);
 - ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
   grammar rows (perf_counter around each engine call named: how many a
   step, median ms a call; ``step`` is the whole engine step).
@@ -59,7 +60,7 @@ def fill_rows(bitmask, matchers, rows):
 
 
 parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps
-PARTS = ("_land", "_launch", "_append", "_advance", "_prefetch_masks")
+PARTS = ("_land", "_launch", "_append", "_advance", "_advance_ahead")  # (those a tree has)
 in_grammar_step = [False]
 
 
@@ -88,7 +89,8 @@ if __name__ == "__main__":
     matcher_module._fill_rows = fill_rows
     if os.environ.get("PARTS") == "1":
         for name in PARTS:
-            setattr(engine_module.LLMEngine, name, timed(name, getattr(engine_module.LLMEngine, name)))
+            if hasattr(engine_module.LLMEngine, name):
+                setattr(engine_module.LLMEngine, name, timed(name, getattr(engine_module.LLMEngine, name)))
         for name in ("prepare_step", "grammar_masks", "to_device", "pick_on_device"):
             setattr(engine_module, name, timed(name, getattr(engine_module, name)))
         import pagedlm.structured as structured_module

@@ -340,14 +340,14 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor
     return greedy.index_copy(0, rows, (probs / torch.empty_like(probs).exponential_()).argmax(-1))
 
 
-def grammar_masks(seqs: list["Sequence"]) -> tuple[torch.Tensor, list[bool]]:
+def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
     """For `pick_on_device` over grammar rows ``seqs`` (static rules): each
-    row's bitmask (`structured.fill_bitmask`, CPU int32) less the tokens its
-    rules refuse, and whether any token is left (a row with none is dead,
-    as `sample_row` kills it)."""
+    row's bitmask (`structured.fill_bitmask`, CPU int32, pinned if ``pinned``)
+    less the tokens its rules refuse, and whether any token is left (a row
+    with none is dead, as `sample_row` kills it)."""
     from pagedlm.structured import fill_bitmask  # llguidance is imported only when a request has a grammar
 
-    bitmask, live = fill_bitmask([seq.matcher for seq in seqs])
+    bitmask, live = fill_bitmask([seq.matcher for seq in seqs], pinned)
     words = bitmask.numpy()
     for j, seq in enumerate(seqs):
         if live[j] and seq.rules is not None:

@@ -370,12 +370,17 @@ class LLMEngine:
                     outputs += self._land(inflight, current)
                 self._advance(rows, sampled)
                 self._inflight = launched
+                if launched is not None and self.prefetch_masks:
+                    self._advance_ahead(launched)
             else:
                 emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
                 outputs += self._settle(rows, sampled, emitted, first, logits)
         if self._grammars is not None and self.prefetch_masks and self._inflight is None:
-            self._prefetch_masks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
-                                  and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1])
+            from pagedlm.structured.matcher import prefetch_bitmasks
+
+            prefetch_bitmasks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
+                               and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1],
+                              pinned=self.device.type == "cuda")
         return outputs
 
     def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
@@ -395,11 +400,15 @@ class LLMEngine:
         if constrained:
             from pagedlm.structured import masked_logits
 
-            bitmask, live = grammar_masks([sampled[i] for i in constrained])
-            rows = to_device(constrained, torch.long, logits.device)
-            masked, live = masked_logits(logits.index_select(0, rows), [sampled[i].matcher for i in constrained],
-                                         (to_device(bitmask.numpy(), torch.int32, logits.device), live))
-            logits = logits.index_copy(0, rows, masked)
+            bitmask, live = grammar_masks([sampled[i] for i in constrained], pinned=logits.is_cuda)
+            filled = (bitmask.to(logits.device, non_blocking=True), live)  # (from pinned memory: no wait)
+            matchers = [sampled[i].matcher for i in constrained]
+            if len(constrained) == len(sampled):  # every row has a grammar (as a structured workload's steps)
+                logits, live = masked_logits(logits, matchers, filled)
+            else:
+                rows = to_device(constrained, torch.long, logits.device)
+                masked, live = masked_logits(logits.index_select(0, rows), matchers, filled)
+                logits = logits.index_copy(0, rows, masked)
             for i, ok in zip(constrained, live):
                 if not ok:
                     dead.append(self._end_without_token(sampled[i], "error"))
@@ -501,11 +510,23 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _prefetch_masks(matchers: list) -> None:
-        """Start filling ``matchers``' next masks in the background."""
+    def _advance_ahead(launched: InFlight) -> None:
+        """Advance the grammar rows of a step just launched by their tokens,
+        then fill their next masks, in the background as soon as the device
+        has the tokens: the host's next step (scheduling, launching, landing
+        this step) runs meanwhile, where it would otherwise wait for them."""
+        rows = [j for j, seq in enumerate(launched.sampled) if seq.matcher is not None and not seq.is_finished]
+        if not rows:
+            return
         from pagedlm.structured.matcher import prefetch_bitmasks
 
-        prefetch_bitmasks(matchers)
+        def tokens() -> list[int]:
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            host = launched.host.tolist()
+            return [host[j] for j in rows]
+
+        prefetch_bitmasks([launched.sampled[j].matcher for j in rows], tokens, pinned=launched.ready is not None)
 
     def _pick(self, logits: torch.Tensor | None, sampled: list[Sequence]) -> tuple[list, list[int]]:
         """The tokens each sampled row emits (None: its grammar allows none)

@@ -116,6 +116,18 @@ if triton is not None:
         y = _round(act, Out.dtype.element_ty) * up
         tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _masked_logits_kernel(Logits, Bits, Out, stride_l, stride_b, stride_o, n, BLOCK: tl.constexpr):
+        """A row's float32 logits with the tokens its int32 bitmask words
+        refuse (bit ``j`` of word ``i``: token ``32 * i + j``) at -inf, a NaN too."""
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(Logits + row * stride_l + offs, mask=m, other=0.0)
+        word = tl.load(Bits + row * stride_b + offs // 32, mask=m, other=0)
+        keep = ((word >> (offs % 32)) & 1) != 0
+        tl.store(Out + row * stride_o + offs, tl.where(keep & (x == x), x, float("-inf")), mask=m)
+
 
 def enabled(x: torch.Tensor) -> bool:
     """Use the fused kernels for ``x``: on CUDA when triton is installed."""
@@ -193,4 +205,18 @@ def act_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     if T:
         _act_mul_kernel[(T, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
                                                     GELU=activation == "gelu_pytorch_tanh", BLOCK=block)
+    return out
+
+
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """float32 ``logits`` ``[rows, V]`` as a new tensor with the tokens int32
+    ``bitmask`` ``[rows, >= ceil(V / 32)]`` refuses at -inf, and a NaN at
+    -inf: `structured.masked_logits`'s result (there eight torch ops) in one launch."""
+    rows, n = logits.shape
+    logits, bitmask = _rows(logits), _rows(bitmask)
+    out = torch.empty((rows, n), dtype=torch.float32, device=logits.device)
+    block = 1024
+    if rows:
+        _masked_logits_kernel[(rows, triton.cdiv(n, block))](logits, bitmask, out, logits.stride(0),
+                                                            bitmask.stride(0), out.stride(0), n, BLOCK=block)
     return out

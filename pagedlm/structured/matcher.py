@@ -16,11 +16,15 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
 import torch
+
+from pagedlm.kernels import fused
 
 from .constraint import one_line
 
@@ -41,6 +45,8 @@ class RowMatcher:
         self.error: str | None = None  # why the row is dead
         self.version = 0  # tokens advanced less tokens rolled back: names the state a mask is for
         self._prefetched: tuple[int, Future, int] | None = None  # (version, the fill's future, its row)
+        self._ahead: tuple[_Ahead, int] | None = None  # a background job advances it (the job, its row)
+        self._stopped: bool | None = None  # what that job saw after advancing, while its fill runs
 
     def ready(self) -> bool:
         """Its grammar is compiled (or failed to compile: then it is dead at
@@ -87,7 +93,20 @@ class RowMatcher:
 
     def advance(self, token: int) -> None:
         """The row's sampled ``token`` is part of the output; a token the
-        grammar refuses kills the row."""
+        grammar refuses kills the row. Where `prefetch_bitmasks` advanced the
+        matcher by it already, this counts it (waiting for that, not for the fill)."""
+        if self._ahead is not None:
+            job, j = self._ahead
+            self._ahead = None
+            job.advanced.wait()
+            if job.seen[j] is not None:  # (None: the job failed, or the row was dead: as below)
+                seen, refused, self._stopped = job.seen[j]
+                if seen != token:
+                    raise RuntimeError(f"the matcher was advanced by token {seen} ahead, not by {token}")
+                self.version += 1
+                if refused is not None:
+                    self.fail(f"token {token} is outside the grammar: {refused}")
+                return
         self._settle()
         matcher = self._live()
         if matcher is None:
@@ -107,6 +126,8 @@ class RowMatcher:
     @property
     def is_finished(self) -> bool:
         """The output is complete: the grammar takes nothing more (the row ends, "stop")."""
+        if self._busy():  # a background fill holds the matcher: what its job saw after the advance
+            return self.error is None and self._stopped
         self._settle()
         return self.error is None and self._matcher is not None and self._matcher.is_stopped() \
             and not self._matcher.is_error()
@@ -114,6 +135,8 @@ class RowMatcher:
     @property
     def is_dead(self) -> bool:
         """No token can continue the output: the row must end (`error` says why)."""
+        if self._busy():
+            return self.error is not None
         self._settle()
         return self._live() is None if self._compiled.done() else False
 
@@ -122,6 +145,12 @@ class RowMatcher:
         to finish: llguidance's matcher is not to be used by two threads."""
         if self._prefetched is not None:
             self._prefetched[1].result()
+        self._stopped = None
+
+    def _busy(self) -> bool:
+        """A background job that advanced the matcher (and whose advance this
+        row counted) is still filling its mask."""
+        return self._stopped is not None and self._prefetched is not None and not self._prefetched[1].done()
 
     def fail(self, reason: str) -> None:
         """Kill the row (the sampler: the request's other rules leave nothing the grammar allows)."""
@@ -180,11 +209,12 @@ def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows: list[int])
     return {j for live in by_lane.values() for _, j in live}
 
 
-def _zeros(matchers: list[RowMatcher]) -> np.ndarray:
+def _words(matchers: list[RowMatcher]) -> int:
+    """A bitmask row's int32 words for ``matchers`` (which must share a width)."""
     width = matchers[0].width
     if any(m.width != width for m in matchers):
         raise ValueError(f"one step's matchers must share a width (got {sorted({m.width for m in matchers})})")
-    return np.zeros((len(matchers), (width + 31) // 32), dtype=np.int32)
+    return (width + 31) // 32
 
 
 GIL_SWITCH_S = 1e-4
@@ -202,52 +232,109 @@ def hand_off_the_gil_quickly() -> None:
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
-def prefetch_bitmasks(matchers: list[RowMatcher]) -> None:
+class _Ahead:
+    """`prefetch_bitmasks`'s advance of ``n`` matchers on its thread:
+    ``advanced`` is set once each has consumed its token; ``seen[j]``: (the
+    token, why the grammar refused it or None, whether the grammar was then
+    complete), None where the row was dead (or the tokens never came)."""
+
+    def __init__(self, n: int) -> None:
+        self.advanced = threading.Event()
+        self.seen: list[tuple[int, str | None, bool] | None] = [None] * n
+
+    def run(self, matchers: list[RowMatcher], tokens: list[int]) -> None:
+        for j, (m, token) in enumerate(zip(matchers, tokens)):
+            if (matcher := m._live()) is not None:
+                took = matcher.consume_token(token)
+                self.seen[j] = (token, None if took else one_line(matcher.get_error()), matcher.is_stopped())
+
+
+def prefetch_bitmasks(matchers: list[RowMatcher], ahead: Callable[[], list[int]] | None = None,
+                      pinned: bool = False) -> None:
     """Start filling ``matchers``' next bitmasks on a background thread
-    (llguidance drops the GIL while it computes): the engine calls it once a
-    step's tokens have advanced them, so that the fill overlaps the host's
-    next step and the device's forward pass. `fill_bitmask` takes a row
-    from it while its matcher has not moved since; a matcher's own calls
-    (advance, rollback, is_finished, is_dead, fill) wait for the fill first."""
+    (llguidance drops the GIL while it computes), in pinned memory if
+    ``pinned``. The engine calls it once a step's tokens have advanced them,
+    so that the fill overlaps the host's next step and the device's forward
+    pass; or, with ``ahead`` (an async step's tokens, a row each: the call
+    waits for the device to have them), as soon as it launched that step:
+    the thread then advances each matcher by its token before the fill, and
+    the row's next `advance` (by that token, when the step lands) only counts
+    it. `fill_bitmask` takes a row from here while its matcher has not
+    moved since; a matcher's own calls (advance, rollback, is_finished,
+    is_dead, fill) wait for the fill first, but for what the advance saw."""
     global _pending
     if not matchers:
         return
     if _pending is not None:
         _pending.result()
-    bitmask = _zeros(matchers)
-    _pending = future = _background.submit(lambda: (bitmask, _fill_rows(bitmask, matchers, range(len(matchers)))))
+    out = torch.empty((len(matchers), _words(matchers)), dtype=torch.int32, pin_memory=pinned)
+    job = _Ahead(len(matchers)) if ahead is not None else None
+
+    def fill() -> tuple[torch.Tensor, set[int]]:
+        if job is not None:
+            try:
+                job.run(matchers, ahead())
+            finally:
+                job.advanced.set()
+        bitmask = out.numpy()  # (a row whose token the grammar refused is dead: `advance` says why)
+        rows = range(len(matchers)) if job is None else [j for j, seen in enumerate(job.seen)
+                                                        if seen is not None and seen[1] is None]
+        live = _fill_rows(bitmask, matchers, rows)
+        for j in set(range(len(matchers))) - live:
+            bitmask[j] = 0
+        return out, live
+
+    _pending = future = _background.submit(fill)
     for j, m in enumerate(matchers):
-        m._prefetched = (m.version, future, j)
+        m._prefetched = (m.version + (job is not None), future, j)
+        m._ahead = None if job is None else (job, j)
 
 
-def fill_bitmask(matchers: list[RowMatcher]) -> tuple[torch.Tensor, list[bool]]:
+def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
     by llguidance's executors, a thread a lane: `Grammar`; a row
     `prefetch_bitmasks` filled for the matcher's state is taken from there),
     and per row whether any token is allowed (False: dead, its row all zeros).
+    ``pinned``: in pinned memory (llguidance writes there: a copy to a GPU
+    then leaves without a wait and without a staging copy; 1.2 MB at 64 rows
+    of a 152k vocabulary).
 
     Host work in numpy, not torch: a torch op on the CPU this size wakes
     torch's intra-op threads, which spin for a while beside llguidance's (a
     `benchmarks/mask_fill.py` whose own bookkeeping ran in torch filled 16
     rows in 2.4 ms on this 2-core machine, 1.2 ms with one torch thread)."""
     global _pending
-    bitmask = _zeros(matchers)
+    words = _words(matchers)
     if _pending is not None:  # one fill at a time on the executors
         _pending.result()
         _pending = None
-    filled, todo = set(), []
-    for j, m in enumerate(matchers):
-        ahead, m._prefetched = m._prefetched, None
-        if ahead is not None and ahead[0] == m.version:
-            rows, live = ahead[1].result()
-            bitmask[j] = rows[ahead[2]]
-            if ahead[2] in live:
-                filled.add(j)
-        else:
-            todo.append(j)
-    filled |= _fill_rows(bitmask, matchers, todo)
+    ahead = [m._prefetched for m in matchers]
+    for m in matchers:
+        m._prefetched = None
+        m._settle()
+    prefetched = ahead[0][1].result() if ahead[0] is not None else None
+    if prefetched is not None and len(prefetched[0]) == len(matchers) and prefetched[0].is_pinned() == pinned \
+            and all(a is not None and a[1] is ahead[0][1] and a[2] == j and a[0] == m.version
+                    for j, (a, m) in enumerate(zip(ahead, matchers))):
+        out, filled = prefetched  # the prefetch, row for row: taken as it is
+        bitmask = out.numpy()
+    else:
+        out = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pinned)  # unfilled rows: zeroed below
+        bitmask = out.numpy()
+        filled, todo = set(), []
+        for j, (a, m) in enumerate(zip(ahead, matchers)):
+            if a is not None and a[0] == m.version:
+                rows, live = a[1].result()
+                bitmask[j] = rows[a[2]].numpy()
+                if a[2] in live:
+                    filled.add(j)
+            else:
+                todo.append(j)
+        filled |= _fill_rows(bitmask, matchers, todo)
+        for j in set(range(len(matchers))) - filled:
+            bitmask[j] = 0
     allows = bitmask.any(axis=1)
-    return torch.from_numpy(bitmask), [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
+    return out, [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
 
 
 def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher],
@@ -261,5 +348,8 @@ def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher],
     if matchers[0].width < vocab:
         raise ValueError(f"the bitmasks ({matchers[0].width} tokens) must cover the {vocab} logits")
     bitmask, live = filled if filled is not None else fill_bitmask(matchers)
-    masked = mask_bias(bitmask.to(logits.device), vocab).add_(logits)
+    bitmask = bitmask.to(logits.device)
+    if fused.enabled(logits) and logits.dtype == torch.float32:
+        return fused.masked_logits(logits, bitmask), live
+    masked = mask_bias(bitmask, vocab).add_(logits)
     return masked.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")), live

@@ -145,3 +145,22 @@ def test_qk_norm_rope_is_two_norm_ropes_bit_for_bit(with_norm, dtype):
     assert torch.equal(q, alone(qk[:, :Hq], wq)) and torch.equal(k, alone(qk[:, Hq:], wk))
     if with_norm:
         assert not torch.equal(k, alone(qk[:, Hq:], wq))
+
+
+def test_masked_logits_keeps_exactly_the_tokens_the_bits_allow():
+    """A row's logits where bit ``t % 32`` of word ``t // 32`` is set (the
+    sign bit too), -inf elsewhere and for a NaN, +inf and -inf kept where
+    allowed: read bit by bit in Python, over two programs a row, strided
+    logits and bitmask rows wider than the logits need."""
+    rows, n = 3, 1500
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, n + 7, generator=g)[:, :n]  # (a row stride that is not the width)
+    logits[0, 5], logits[1, 40], logits[2, 1499] = float("nan"), float("inf"), float("-inf")
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, (n + 31) // 32 + 3), generator=g, dtype=torch.int32)
+    words[1, 1] |= 1 << 8  # token 40 (+inf) allowed
+    bits = words.tolist()
+    want = torch.tensor([[float("-inf") if not (bits[r][t // 32] >> (t % 32)) & 1 or logits[r, t] != logits[r, t]
+                          else float(logits[r, t]) for t in range(n)] for r in range(rows)])
+    got = fused.masked_logits(logits.to(DEVICE), words.to(DEVICE)).cpu()
+    assert torch.equal(got, want) and got[1, 40] == float("inf") and bool(torch.isinf(got).any(-1).all())
+    assert 0.3 < float(torch.isfinite(got).float().mean()) < 0.7

@@ -86,9 +86,9 @@ def test_masks_filled_ahead_on_a_background_thread_give_the_same_tokens(model, t
         seqs = [engine.add_request(prompt, constrained(kinds[0], temperature=temperature, seed=1, n=2))]
         taken = []
 
-        def counting(matchers):
+        def counting(matchers, pinned=False):
             taken.extend(m._prefetched is not None and m._prefetched[0] == m.version for m in matchers)
-            return fill(matchers)
+            return fill(matchers, pinned)
         monkeypatch.setattr(structured, "fill_bitmask", counting)  # the name `sample` imports
         steps = 0
         while engine.has_unfinished():
@@ -161,18 +161,31 @@ def _engine(model, tokenizer, options: EngineOptions, on: bool) -> LLMEngine:
     return LLMEngine(model, tokenizer, _async(options, on))
 
 
-@pytest.mark.parametrize("store", ["default", "paged-caching"])
-def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens(model, tokenizer, store):
+@pytest.mark.parametrize("store,ahead", [("default", False), ("paged-caching", False), ("paged-caching", True)])
+def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens(model, tokenizer, monkeypatch,
+                                                                                store, ahead):
     """Async scheduling with grammar rows: each step lands the token in flight
     before its picks, fills the masks from it and picks on the device; the
     outputs (greedy JSON, regex and choice rows beside a plain one, a late
     arrival, rows ending on their grammar mid-batch) are the synchronous
-    engine's, and steps were left in flight while grammar rows ran."""
+    engine's, and steps were left in flight while grammar rows ran. With
+    ``ahead`` (``prefetch_masks``, CUDA's default), a background thread
+    advances the rows of a step just launched and fills their next masks:
+    most masks are taken from there, the outputs the same."""
+    import pagedlm.structured as structured
+
     prompt = tokenizer.encode("Reply: ")
     kinds = [dict(json=SCHEMA), dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"), dict(choice=["left", "right", "up"])]
+    fill, taken = structured.fill_bitmask, []
+
+    def counting(matchers, pinned=False):
+        taken.extend(m._prefetched is not None and m._prefetched[0] == m.version for m in matchers)
+        return fill(matchers, pinned)
+    monkeypatch.setattr(structured, "fill_bitmask", counting)  # the name `grammar_masks` imports
 
     def outputs(on: bool):
         engine = _engine(model, tokenizer, STORES[store], on)
+        engine.prefetch_masks = on and ahead
         seqs = [engine.add_request(prompt, constrained(k, n=2 if i == 0 else 1)) for i, k in enumerate(kinds)]
         seqs.append(engine.add_request(tokenizer.encode("abc"), SamplingParams(max_tokens=20, ignore_eos=True)))
         overlapped, steps = [], 0
@@ -187,9 +200,11 @@ def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens
         return [[(s.output_ids, s.text, s.finish_reason) for s in group] for group in seqs], overlapped
 
     sync, never = outputs(False)
+    taken.clear()
     got, overlapped = outputs(True)
     assert got == sync and any(overlapped) and not any(never)
     assert all(finish == "stop" for group in got[:3] for _, _, finish in group)
+    assert (sum(taken) > len(taken) / 2) if ahead else not any(taken)
 
 
 def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(model, tokenizer, monkeypatch):
@@ -207,8 +222,8 @@ def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(mod
         (dies,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
         (lives,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
 
-        def dead_at_four(matchers):
-            bitmask, live = fill(matchers)
+        def dead_at_four(matchers, pinned=False):
+            bitmask, live = fill(matchers, pinned)
             for j, m in enumerate(matchers):
                 if m is dies.matcher and m.version == 4:
                     bitmask.numpy()[j] = np.zeros_like(bitmask.numpy()[j])
