@@ -21,6 +21,7 @@ FILE --structured-batch-sizes 16 64 --json
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import os
 import statistics
@@ -90,7 +91,9 @@ if __name__ == "__main__":
     if os.environ.get("PARTS") == "1":
         for name in PARTS:
             if hasattr(engine_module.LLMEngine, name):
-                setattr(engine_module.LLMEngine, name, timed(name, getattr(engine_module.LLMEngine, name)))
+                wrapped = timed(name, getattr(engine_module.LLMEngine, name))
+                static = isinstance(inspect.getattr_static(engine_module.LLMEngine, name), staticmethod)
+                setattr(engine_module.LLMEngine, name, staticmethod(wrapped) if static else wrapped)
         for name in ("prepare_step", "grammar_masks", "to_device", "pick_on_device"):
             setattr(engine_module, name, timed(name, getattr(engine_module, name)))
         import pagedlm.structured as structured_module
