@@ -17,8 +17,15 @@ copies share its lexer behind a lock, so more threads did not help them.
 compact JSON, the default schema), what a trained model's outputs look
 like to the grammar: states recur from row to row and step to step.
 
+``FILLS="lanes executor"``: each lane's rows on a thread of their own
+(``lanes``, the engine's), or all rows in one call to an executor of as many
+threads (``executor``: one GIL release). ``BESIDE="0 1.5"``: with a value
+above 0, the fill runs on a background thread while the calling thread runs
+that many ms of pure Python (a step's host work), and its time is from its
+start to its end there.
+
 Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
-(LANES="1 2 4 8", WALK=random|text and FILL_STEPS in the environment).
+(LANES="1 2 4 8", FILLS, BESIDE, WALK=random|text and FILL_STEPS in the environment).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import os
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -47,7 +55,10 @@ def main() -> None:
     texts = [tokenizer.encode(t, add_special_tokens=False) for t in _people(rows)] if walk == "text" else None
     if texts:
         steps = min(steps, min(len(t) for t in texts))
-    for lanes in [int(n) for n in os.environ.get("LANES", "1 2 4 8").split()]:
+    for lanes, fill_by, beside in [(int(n), f, float(b)) for n in os.environ.get("LANES", "1 2 4 8").split()
+                                   for f in os.environ.get("FILLS", "lanes").split()
+                                   for b in os.environ.get("BESIDE", "0").split()]:
+        matcher_module.FILL_BY = fill_by
         compiler = GrammarCompiler(tokenizer, vocab, lanes=lanes)
         matchers = [compiler.matcher(constraint) for _ in range(rows)]
         while not all(m.ready() for m in matchers):
@@ -56,8 +67,14 @@ def main() -> None:
         fresh = again = cpu = 0.0
         for step in range(steps):
             t0, c0 = time.perf_counter(), time.process_time()
-            bitmask, live = fill_bitmask(matchers)
-            fresh += time.perf_counter() - t0
+            if beside:  # on a background thread, the calling thread running Python meanwhile
+                done = pool.submit(lambda: (fill_bitmask(matchers), time.perf_counter()))
+                python_for(beside / 1000)
+                (bitmask, live), t1 = done.result()
+            else:
+                bitmask, live = fill_bitmask(matchers)
+                t1 = time.perf_counter()
+            fresh += t1 - t0
             cpu += time.process_time() - c0
             scratch = np.zeros(bitmask.shape, dtype=np.int32)
             t0 = time.perf_counter()
@@ -67,12 +84,23 @@ def main() -> None:
             for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
                 if live[j] and not m.is_finished:
                     m.advance(texts[j][step] if texts else rng.choice(np.flatnonzero(allowed[j]).tolist()))
-        print(json.dumps({"rows": rows, "lanes": lanes, "walk": walk, "vocab": vocab, "steps": steps,
+        print(json.dumps({"rows": rows, "lanes": lanes, "fill_by": fill_by, "beside_ms": beside, "walk": walk, "vocab": vocab, "steps": steps,
                           "dead": sum(m.is_dead for m in matchers),
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "fill_cpu_ms_per_step": round(1000 * cpu / steps, 3),  # all threads: > wall if parallel
                           "fill_again_ms_per_step": round(1000 * again / steps, 3),
                           "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}), flush=True)
+
+
+pool = ThreadPoolExecutor(1)
+
+
+def python_for(seconds: float) -> None:
+    """Pure Python work (it holds the GIL) for ``seconds``: a step's scheduling and bookkeeping."""
+    end, d = time.perf_counter() + seconds, {}
+    while time.perf_counter() < end:
+        for i in range(50):
+            d[i] = [i] * 3
 
 
 def _people(n: int) -> list[str]:

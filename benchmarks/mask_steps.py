@@ -81,11 +81,13 @@ def report() -> None:
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
-    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_rows_ms": by_thread,
+    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_by": matcher_module.FILL_BY,
+                      "fill_rows_ms": by_thread,
                       **({"parts_ms": timed_parts} if parts else {})}), flush=True)
 
 
 if __name__ == "__main__":
+    matcher_module.FILL_BY = os.environ.get("FILL", "lanes")
     engine_module.LLMEngine.step = step
     matcher_module._fill_rows = fill_rows
     if os.environ.get("PARTS") == "1":

@@ -48,6 +48,7 @@ rest to -inf, never the best), and top-p always keeps the best token.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 import numpy as np
@@ -88,7 +89,6 @@ class TokenRules:
         self.min_tokens = min_tokens
         self.stop_ids = sorted(stop_ids)  # banned while fewer than min_tokens are out
         self._tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._words: dict[int, np.ndarray] = {}
 
     def banned_now(self, output_ids: list[int]) -> list[int]:
         """The tokens banned at this step only, after ``output_ids``."""
@@ -135,18 +135,11 @@ class TokenRules:
         return self._tensors[key]
 
     def words(self, width: int) -> np.ndarray:
-        """int32 ``[ceil(width / 32)]``: bit ``j`` of word ``i`` set where it
-        permits token ``32 * i + j`` (llguidance's bitmask layout; the bias and
-        the step's own bans aside); once per width."""
-        if width not in self._words:
-            keep = np.zeros(-(-width // 32) * 32, dtype=bool)
-            if self.allowed is None:
-                keep[:width] = True
-            else:
-                keep[sorted(self.allowed)] = True
-            keep[sorted(self.banned)] = False
-            self._words[width] = np.packbits(keep, bitorder="little").view("<i4")
-        return self._words[width]
+        """int32 ``[ceil(width / 32)]``, read-only: bit ``j`` of word ``i`` set
+        where it permits token ``32 * i + j`` (llguidance's bitmask layout; the
+        bias and the step's own bans aside). Rules that permit the same tokens
+        share one array (`grammar_masks` applies each array once a step)."""
+        return _permitted_words(self.banned, self.allowed, width)
 
     def apply(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
         """One row's float32 logits ``[V]`` under these rules."""
@@ -162,6 +155,19 @@ class TokenRules:
         if now:
             logits = logits.index_fill(0, torch.tensor(now, device=device), ninf)
         return logits
+
+
+@functools.lru_cache(maxsize=64)
+def _permitted_words(banned: frozenset[int], allowed: frozenset[int] | None, width: int) -> np.ndarray:
+    keep = np.zeros(-(-width // 32) * 32, dtype=bool)
+    if allowed is None:
+        keep[:width] = True
+    else:
+        keep[sorted(allowed)] = True
+    keep[sorted(banned)] = False
+    words = np.packbits(keep, bitorder="little").view("<i4")
+    words.flags.writeable = False
+    return words
 
 
 def bad_words_ids(words: Iterable[str], tokenizer: "Tokenizer") -> list[tuple[int, ...]]:
@@ -349,12 +355,22 @@ def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.T
 
     bitmask, live = fill_bitmask([seq.matcher for seq in seqs], pinned)
     words = bitmask.numpy()
+    ruled: dict[int, tuple[np.ndarray, list[int]]] = {}  # each rules' array once: the rows it applies to
     for j, seq in enumerate(seqs):
         if live[j] and seq.rules is not None:
-            words[j] &= seq.rules.words(seq.matcher.width)
-            if not words[j].any():
-                seq.matcher.fail(NOTHING_LEFT)
-                live[j] = False
+            permitted = seq.rules.words(seq.matcher.width)
+            ruled.setdefault(id(permitted), (permitted, []))[1].append(j)
+    for permitted, rows in ruled.values():
+        if len(rows) == len(seqs):  # (every row: in place, no copy)
+            np.bitwise_and(words, permitted, out=words)
+        else:
+            words[rows] &= permitted
+    rows = sorted(j for _, js in ruled.values() for j in js)
+    left = words.any(axis=1) if len(rows) == len(seqs) else words[rows].any(axis=1)  # (a row each of rows)
+    for j, ok in zip(rows, left):
+        if not ok:
+            seqs[j].matcher.fail(NOTHING_LEFT)
+            live[j] = False
     return bitmask, live
 
 

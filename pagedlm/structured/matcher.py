@@ -188,6 +188,16 @@ _background = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
 _pending: Future | None = None  # the background fill in flight (one at a time)
 
 
+FILL_BY = "lanes"  # EXPERIMENT (mask_fill.py, mask_steps.py set it): "lanes" or "executor"
+_pools: dict[int, llguidance.LLExecutor] = {}  # EXPERIMENT: an executor of n threads for all lanes at once
+
+
+def _pool(threads: int) -> llguidance.LLExecutor:
+    if threads not in _pools:
+        _pools[threads] = llguidance.LLExecutor(num_threads=threads)
+    return _pools[threads]
+
+
 def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows: list[int]) -> set[int]:
     """llguidance's masks of the live ones of ``matchers[rows]`` into those
     rows of ``bitmask``, each lane's rows on a thread of its own (the calling
@@ -199,6 +209,10 @@ def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows: list[int])
     while len(_executors) <= max(by_lane, default=-1):
         _executors.append(llguidance.LLExecutor(num_threads=1))
     words = bitmask.shape[1]
+    if FILL_BY == "executor" and len(by_lane) > 1:  # one call, one GIL release: rows grouped by lane
+        _pool(len(by_lane)).unsafe_compute_mask_ptr([p for live in by_lane.values() for p in live],
+                                                    bitmask.ctypes.data, words * 4, len(matchers))
+        return {j for live in by_lane.values() for _, j in live}
     fills = [functools.partial(_executors[lane].unsafe_compute_mask_ptr, live, bitmask.ctypes.data, words * 4,
                                len(matchers)) for lane, live in by_lane.items()]
     if len(fills) == 1:
@@ -243,10 +257,14 @@ class _Ahead:
         self.seen: list[tuple[int, str | None, bool] | None] = [None] * n
 
     def run(self, matchers: list[RowMatcher], tokens: list[int]) -> None:
-        for j, (m, token) in enumerate(zip(matchers, tokens)):
-            if (matcher := m._live()) is not None:
-                took = matcher.consume_token(token)
-                self.seen[j] = (token, None if took else one_line(matcher.get_error()), matcher.is_stopped())
+        live = [(j, matcher) for j, m in enumerate(matchers) if (matcher := m._live()) is not None]
+        lanes = len({matchers[j].lane for j, _ in live})
+        if FILL_BY == "executor" and lanes > 1:  # EXPERIMENT: one GIL release
+            took = _pool(lanes).consume_token_par([(matcher, tokens[j]) for j, matcher in live])
+        else:
+            took = [matcher.consume_token(tokens[j]) for j, matcher in live]
+        for (j, matcher), ok in zip(live, took):
+            self.seen[j] = (tokens[j], None if ok else one_line(matcher.get_error()), matcher.is_stopped())
 
 
 def prefetch_bitmasks(matchers: list[RowMatcher], ahead: Callable[[], list[int]] | None = None,
