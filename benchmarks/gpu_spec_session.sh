@@ -7,12 +7,11 @@
 #           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel;
 #           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each), WALKS random text,
-#           FILLS and BESIDE (mask_fill.py's)
+#           and BESIDE (mask_fill.py's)
 #   masksteps benchmarks/mask_steps.py: the mask bench under async with the fill's and the host's parts timed
 #           (PARTS=1) at MASK_SIZES ("1 16 64"), OMP_NUM_THREADS=MASK_OMP ("16": torch's intra-op threads,
 #           which spin beside the lanes), PREFETCH over PREFETCHES ("1"; 0 turns the background fill off);
-#           and FILL over FILLS ("lanes"; "executor": matcher.FILL_BY); with BASE (another tree) that tree
-#           too (as it is), interleaved over ROUNDS (1)
+#           with BASE (another tree) that tree too (as it is), interleaved over ROUNDS (1)
 #   workload the 256-prompt workload, bf16 and fp8 KV (no transformers), for kernel_compiles_in_runs
 #   decode  batch-1 decode, three shapes, --against hf, no KV budget given (the defaults); DECODE_FLAGS adds flags
 #           (e.g. --no-async-scheduling), AGAINST="" drops transformers, SHAPES picks the shapes
@@ -65,7 +64,7 @@ fi
 if has maskfill; then  # the host's fill alone, by lanes (benchmarks/mask_fill.py)
   grammar_lib
   for walk in ${WALKS:-random text}; do
-    (cd "$NOW" && PYTHONPATH=.:$LIB LANES="${LANES:-1 2 4 8}" FILLS="${FILLS:-lanes}" BESIDE="${BESIDE:-0}" WALK=$walk \
+    (cd "$NOW" && PYTHONPATH=.:$LIB LANES="${LANES:-1 2 4 8}" BESIDE="${BESIDE:-0}" WALK=$walk \
       timeout 200 python3 benchmarks/mask_fill.py \
       "$CARRY/smollm2-tok" 151936 64) 2>>"$OUT/bench.err" | tee -a "$OUT/mask_fill.jsonl"
   done
@@ -76,12 +75,11 @@ if has masksteps; then  # async grammar steps: the fill by thread and the host's
   script=$(cd "$NOW" && pwd)/benchmarks/mask_steps.py
   for round in $(seq "${ROUNDS:-1}"); do for tree in "$NOW" ${BASE:-}; do
     for pre in $([ "$tree" = "$NOW" ] && echo ${PREFETCHES:-1} || echo 1); do
-    for fill in $([ "$tree" = "$NOW" ] && echo ${FILLS:-lanes} || echo lanes); do
-    (cd "$tree" && PARTS=1 PREFETCH=$pre FILL=$fill OMP_NUM_THREADS=${MASK_OMP:-16} PYTHONPATH=.:$LIB timeout 150 python3 "$script" \
+    (cd "$tree" && PARTS=1 PREFETCH=$pre OMP_NUM_THREADS=${MASK_OMP:-16} PYTHONPATH=.:$LIB timeout 150 python3 "$script" \
       bench throughput --random-weights --model $dir --device cuda --async-scheduling \
       --json-schema $M/person.schema.json --structured-batch-sizes ${MASK_SIZES:-1 16 64} --repeats 2 --json) \
-      2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree prefetch=$pre fill=$fill] |" | tee -a "$OUT/mask_steps.jsonl" | cut -c1-600
-  done; done; done; done
+      2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree prefetch=$pre] |" | tee -a "$OUT/mask_steps.jsonl" | cut -c1-600
+  done; done; done
 fi
 if has decode; then
   for cfg in ${SHAPES:-gemma3-270m qwen3-0.6b llama-3.1-8b}; do

@@ -4,7 +4,7 @@ allows after every fill (what random weights do under a constraint: new
 grammar states every step, strings that run on), ``STEPS`` steps.
 
 Reported per lane count (`structured.compiler.Grammar`: the schema compiled
-that many times, rows copying the compiles in turn, a thread a lane): ms
+that many times, rows copying the compiles in turn, an executor of a thread a lane): ms
 per step of `structured.fill_bitmask` (the engine's call: the fill, then each
 row's liveness check), the process's CPU time in it (all threads: above the
 wall time only where lanes fill in parallel), and the fill alone again on
@@ -17,15 +17,13 @@ copies share its lexer behind a lock, so more threads did not help them.
 compact JSON, the default schema), what a trained model's outputs look
 like to the grammar: states recur from row to row and step to step.
 
-``FILLS="lanes executor"``: each lane's rows on a thread of their own
-(``lanes``, the engine's), or all rows in one call to an executor of as many
-threads (``executor``: one GIL release). ``BESIDE="0 1.5"``: with a value
-above 0, the fill runs on a background thread while the calling thread runs
-that many ms of pure Python (a step's host work), and its time is from its
-start to its end there.
+``BESIDE="0 1.5"``: with a value above 0, the fill runs on a background
+thread while the calling thread runs that many ms of pure Python (a step's
+host work; the GIL handed off within 0.1 ms, as the engine has it), and its
+time is from its start to its end there.
 
 Usage: PYTHONPATH=. python3 benchmarks/mask_fill.py TOKENIZER_FOLDER VOCAB [B] [SCHEMA]
-(LANES="1 2 4 8", FILLS, BESIDE, WALK=random|text and FILL_STEPS in the environment).
+(LANES="1 2 4 8", BESIDE, WALK=random|text and FILL_STEPS in the environment).
 """
 
 from __future__ import annotations
@@ -55,10 +53,10 @@ def main() -> None:
     texts = [tokenizer.encode(t, add_special_tokens=False) for t in _people(rows)] if walk == "text" else None
     if texts:
         steps = min(steps, min(len(t) for t in texts))
-    for lanes, fill_by, beside in [(int(n), f, float(b)) for n in os.environ.get("LANES", "1 2 4 8").split()
-                                   for f in os.environ.get("FILLS", "lanes").split()
-                                   for b in os.environ.get("BESIDE", "0").split()]:
-        matcher_module.FILL_BY = fill_by
+    for lanes, beside in [(int(n), float(b)) for n in os.environ.get("LANES", "1 2 4 8").split()
+                          for b in os.environ.get("BESIDE", "0").split()]:
+        if beside:
+            matcher_module.hand_off_the_gil_quickly()
         compiler = GrammarCompiler(tokenizer, vocab, lanes=lanes)
         matchers = [compiler.matcher(constraint) for _ in range(rows)]
         while not all(m.ready() for m in matchers):
@@ -84,7 +82,7 @@ def main() -> None:
             for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
                 if live[j] and not m.is_finished:
                     m.advance(texts[j][step] if texts else rng.choice(np.flatnonzero(allowed[j]).tolist()))
-        print(json.dumps({"rows": rows, "lanes": lanes, "fill_by": fill_by, "beside_ms": beside, "walk": walk, "vocab": vocab, "steps": steps,
+        print(json.dumps({"rows": rows, "lanes": lanes, "beside_ms": beside, "walk": walk, "vocab": vocab, "steps": steps,
                           "dead": sum(m.is_dead for m in matchers),
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "fill_cpu_ms_per_step": round(1000 * cpu / steps, 3),  # all threads: > wall if parallel

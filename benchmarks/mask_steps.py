@@ -10,7 +10,11 @@ the bench's own rows:
   on CUDA);
 - ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
   grammar rows (perf_counter around each engine call named: how many a
-  step, median ms a call; ``step`` is the whole engine step).
+  step, median ms a call; ``step`` is the whole engine step);
+- ``step_ms``: those whole steps' median, mean, 90th percentile and
+  largest (a median below the bench's mean ms a step: a few slow steps);
+- ``gc_ms``: Python's cyclic collections during them, by generation: how
+  many, and their ms in all.
 
 Usage (the bench's arguments after the script; OMP_NUM_THREADS to vary
 torch's intra-op threads): PYTHONPATH=. python3 benchmarks/mask_steps.py
@@ -21,6 +25,7 @@ FILE --structured-batch-sizes 16 64 --json
 from __future__ import annotations
 
 import atexit
+import gc
 import inspect
 import json
 import os
@@ -78,17 +83,32 @@ def timed(name, fn):
 
 @atexit.register
 def report() -> None:
+    whole = sorted(parts.get("step", ())) or [0.0]
+    step_ms = [round(1000 * v, 3) for v in (statistics.median(whole), statistics.mean(whole),
+                                            whole[int(0.9 * len(whole))], whole[-1])]
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
-    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_by": matcher_module.FILL_BY,
-                      "fill_rows_ms": by_thread,
-                      **({"parts_ms": timed_parts} if parts else {})}), flush=True)
+    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_rows_ms": by_thread,
+                      **({"parts_ms": timed_parts, "step_ms": step_ms} if parts else {}),
+                      "gc_ms": {g: [len(v), round(1000 * sum(v), 3)] for g, v in sorted(collections.items())}}),
+          flush=True)
+
+
+collections: dict[int, list[float]] = {}  # generation -> each cyclic collection's seconds, in grammar steps
+_gc_start = [0.0]
+
+
+def on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    elif in_grammar_step[0]:
+        collections.setdefault(info["generation"], []).append(time.perf_counter() - _gc_start[0])
 
 
 if __name__ == "__main__":
-    matcher_module.FILL_BY = os.environ.get("FILL", "lanes")
     engine_module.LLMEngine.step = step
+    gc.callbacks.append(on_gc)
     matcher_module._fill_rows = fill_rows
     if os.environ.get("PARTS") == "1":
         for name in PARTS:

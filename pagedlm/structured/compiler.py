@@ -58,8 +58,9 @@ class Grammar:
     matcher (`deep_copy`) share its lexer behind one lock, so rows copied from
     one compile fill their masks one at a time however many threads fill them
     (on the H200 host: 64 rows 7.7 ms on one thread, 7.2-9.5 on 2-16).
-    Rows copy the compiles in turn, and `fill_bitmask` fills each lane's rows
-    on a thread of its own. A compile takes ~1 ms (SmolLM2, Gemma 3)."""
+    Rows copy the compiles in turn, and `fill_bitmask` fills them with an
+    executor of a thread a lane, the rows grouped by lane (`matcher._by_lane`).
+    A compile takes ~1 ms (SmolLM2, Gemma 3)."""
 
     def __init__(self, compiles: list[llguidance.LLMatcher]) -> None:
         self._compiles = compiles

@@ -13,7 +13,6 @@ warning in the log; the engine ends it. It never waits.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
@@ -39,7 +38,7 @@ class RowMatcher:
     def __init__(self, compiled: Future, width: int, label: str = "") -> None:
         self._compiled = compiled  # resolves to the compiler's Grammar
         self._matcher: llguidance.LLMatcher | None = None
-        self.lane = 0  # which of the grammar's compiles it copies (`fill_bitmask`'s thread for it)
+        self.lane = 0  # which of the grammar's compiles it copies (`_by_lane`)
         self.width = width
         self.label = label  # names the row in the log (a request id)
         self.error: str | None = None  # why the row is dead
@@ -182,45 +181,38 @@ def mask_bias(bitmask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 MAX_LANES = 8  # a grammar's compiles at most, and the threads that fill a step's masks
-_executors: list[llguidance.LLExecutor] = []  # one a lane, one thread each, made at first use
-_lanes = ThreadPoolExecutor(MAX_LANES, thread_name_prefix="pagedlm-lanes")
+_executors: dict[int, llguidance.LLExecutor] = {}  # by threads (the lanes a fill's rows are in), made at first use
 _background = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
 _pending: Future | None = None  # the background fill in flight (one at a time)
 
 
-FILL_BY = "lanes"  # EXPERIMENT (mask_fill.py, mask_steps.py set it): "lanes" or "executor"
-_pools: dict[int, llguidance.LLExecutor] = {}  # EXPERIMENT: an executor of n threads for all lanes at once
-
-
-def _pool(threads: int) -> llguidance.LLExecutor:
-    if threads not in _pools:
-        _pools[threads] = llguidance.LLExecutor(num_threads=threads)
-    return _pools[threads]
-
-
-def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows: list[int]) -> set[int]:
-    """llguidance's masks of the live ones of ``matchers[rows]`` into those
-    rows of ``bitmask``, each lane's rows on a thread of its own (the calling
-    thread where there is one lane); which rows were live."""
+def _by_lane(matchers: list[RowMatcher], rows) -> tuple[llguidance.LLExecutor, list[tuple[llguidance.LLMatcher, int]]]:
+    """The live ones of ``matchers[rows]`` (llguidance's matcher, its row),
+    grouped by lane, and an executor of a thread a lane among them: it hands
+    each thread a run of the rows, so the threads mostly take different
+    lanes (rows of one lane share a lock: `Grammar`). One call into it drops
+    the GIL once for all the rows; a thread a lane, each calling its own
+    single-thread executor, filled as fast alone (H100 host, 64 rows, 8
+    lanes: 2.42 against 2.49 ms a step) but twice as slowly on a background
+    thread beside the step's Python (1.5-1.6 ms against 0.6-0.67),
+    each thread waiting for the GIL to start and to end its call."""
     by_lane: dict[int, list] = {}
     for j in rows:
         if (m := matchers[j]._live()) is not None:
             by_lane.setdefault(matchers[j].lane, []).append((m, j))
-    while len(_executors) <= max(by_lane, default=-1):
-        _executors.append(llguidance.LLExecutor(num_threads=1))
-    words = bitmask.shape[1]
-    if FILL_BY == "executor" and len(by_lane) > 1:  # one call, one GIL release: rows grouped by lane
-        _pool(len(by_lane)).unsafe_compute_mask_ptr([p for live in by_lane.values() for p in live],
-                                                    bitmask.ctypes.data, words * 4, len(matchers))
-        return {j for live in by_lane.values() for _, j in live}
-    fills = [functools.partial(_executors[lane].unsafe_compute_mask_ptr, live, bitmask.ctypes.data, words * 4,
-                               len(matchers)) for lane, live in by_lane.items()]
-    if len(fills) == 1:
-        fills[0]()
-    else:  # llguidance drops the GIL: the lanes fill at once
-        for done in [_lanes.submit(fill) for fill in fills]:
-            done.result()
-    return {j for live in by_lane.values() for _, j in live}
+    threads = max(1, len(by_lane))
+    if threads not in _executors:
+        _executors[threads] = llguidance.LLExecutor(num_threads=threads)
+    return _executors[threads], [p for live in by_lane.values() for p in live]
+
+
+def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows) -> set[int]:
+    """llguidance's masks of the live ones of ``matchers[rows]`` into those
+    rows of ``bitmask``, the lanes at once (`_by_lane`); which rows were live."""
+    executor, live = _by_lane(matchers, rows)
+    if live:  # (llguidance refuses an empty list)
+        executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, bitmask.shape[1] * 4, len(matchers))
+    return {j for _, j in live}
 
 
 def _words(matchers: list[RowMatcher]) -> int:
@@ -237,9 +229,8 @@ GIL_SWITCH_S = 1e-4
 def hand_off_the_gil_quickly() -> None:
     """Let a thread that waits for the GIL have it within `GIL_SWITCH_S`
     (Python's default: 5 ms). A background fill needs it for moments (to
-    start each lane's call into llguidance, which then drops it): with the
-    default it waits out the step thread's Python work instead of
-    overlapping it. Here (2 cores, 64 rows, SmolLM2's tokenizer), a
+    start its calls into llguidance, which then drop it): with the default
+    it waits out the step thread's Python work instead of overlapping it. Here (2 cores, 64 rows, SmolLM2's tokenizer), a
     prefetch beside 3 ms of Python on the step's thread finished after
     4.5-4.8 ms with the default, 3.1 ms with 0.1 ms (alone: 1.8-2.4).
     Process-wide (Python has no other knob); never raises the interval."""
@@ -257,13 +248,9 @@ class _Ahead:
         self.seen: list[tuple[int, str | None, bool] | None] = [None] * n
 
     def run(self, matchers: list[RowMatcher], tokens: list[int]) -> None:
-        live = [(j, matcher) for j, m in enumerate(matchers) if (matcher := m._live()) is not None]
-        lanes = len({matchers[j].lane for j, _ in live})
-        if FILL_BY == "executor" and lanes > 1:  # EXPERIMENT: one GIL release
-            took = _pool(lanes).consume_token_par([(matcher, tokens[j]) for j, matcher in live])
-        else:
-            took = [matcher.consume_token(tokens[j]) for j, matcher in live]
-        for (j, matcher), ok in zip(live, took):
+        executor, live = _by_lane(matchers, range(len(matchers)))
+        took = executor.consume_token_par([(matcher, tokens[j]) for matcher, j in live]) if live else []
+        for (matcher, j), ok in zip(live, took):
             self.seen[j] = (tokens[j], None if ok else one_line(matcher.get_error()), matcher.is_stopped())
 
 
@@ -310,7 +297,7 @@ def prefetch_bitmasks(matchers: list[RowMatcher], ahead: Callable[[], list[int]]
 
 def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
-    by llguidance's executors, a thread a lane: `Grammar`; a row
+    by an llguidance executor of a thread a lane: `Grammar`; a row
     `prefetch_bitmasks` filled for the matcher's state is taken from there),
     and per row whether any token is allowed (False: dead, its row all zeros).
     ``pinned``: in pinned memory (llguidance writes there: a copy to a GPU

@@ -499,7 +499,7 @@ def test_a_matcher_advanced_ahead_counts_the_token_and_sees_what_the_step_would(
 
 def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
     """A grammar compiled in three lanes (rows copy the compiles in turn and
-    each lane's rows fill on a thread of their own) gives every row the bits
+    an executor of a thread a lane fills them) gives every row the bits
     that rows of one compile get, step after step, rows of two constraints
     and a dead row among them, and each row's own `fill` agrees."""
     import numpy as np
