@@ -14,7 +14,10 @@ the bench's own rows:
 - ``step_ms``: those whole steps' median, mean, 90th percentile and
   largest (a median below the bench's mean ms a step: a few slow steps);
 - ``gc_ms``: Python's cyclic collections during them, by generation: how
-  many, and their ms in all.
+  many, and their ms in all;
+- with ``TRACE=FILE``: a `torch.profiler` trace (CPU and CUDA, Chrome's
+  format) of 30 steps of the first constrained run of 64 rows, from its 20th
+  step on, written to FILE (where the device waits for the host, and why).
 
 Usage (the bench's arguments after the script; OMP_NUM_THREADS to vary
 torch's intra-op threads): PYTHONPATH=. python3 benchmarks/mask_steps.py
@@ -47,12 +50,31 @@ def step(self):
     if os.environ.get("PREFETCH") == "0":
         self.prefetch_masks = False
     in_grammar_step[0] = any(seq.matcher is not None for seq in self.scheduler.running)
+    if os.environ.get("TRACE") and in_grammar_step[0] and len(self.scheduler.running) == 64:
+        trace(counts.setdefault("traced", 0))
+        counts["traced"] += 1
     t0 = time.perf_counter()
     out = _step(self)
     if in_grammar_step[0]:
         parts.setdefault("step", []).append(time.perf_counter() - t0)
     counts["steps"] += 1
     return out
+
+
+_profiler = []
+
+
+def trace(n: int) -> None:
+    """Start the profiler at the 20th 64-row grammar step, write its trace 30 steps later."""
+    import torch
+
+    if n == 20:
+        _profiler.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA]))
+        _profiler[0].__enter__()
+    elif n == 50:
+        _profiler[0].__exit__(None, None, None)
+        _profiler[0].export_chrome_trace(os.environ["TRACE"])
 
 
 def fill_rows(bitmask, matchers, rows):
