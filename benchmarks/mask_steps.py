@@ -2,12 +2,12 @@
 in this process with counters added, printed as one JSON line at exit after
 the bench's own rows:
 
-- ``fill_rows_ms``: `structured.matcher._fill_rows` calls by thread (the
-  step's own, or the background thread's: a synchronous step's prefetch, an
-  async step's advance ahead) and row count: how many, and their median ms
-  (the rows' fill itself, without waiting for a prefetch); ``PREFETCH=0`` in
-  the environment turns the engine's ``prefetch_masks`` off (on by default
-  on CUDA);
+- ``fill_rows_ms``: `structured.matcher._fill_live` calls (llguidance's
+  fill) by thread (the step's own, or the background prefetch: of a
+  synchronous step, or of an async step whose pick it defers) and live row
+  count: how many, and their median ms; ``PREFETCH=0`` in the environment
+  turns the engine's ``prefetch_masks`` (on by default on CUDA), and so
+  the deferred pick, off;
 - ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
   grammar rows (perf_counter around each engine call named: how many a
   step, median ms a call; ``step`` is the whole engine step);
@@ -43,7 +43,7 @@ from pagedlm.cli import main
 
 counts = {"steps": 0}
 fills: dict[str, list[float]] = {}
-_step, _fill_rows = engine_module.LLMEngine.step, matcher_module._fill_rows
+_step, _fill_live = engine_module.LLMEngine.step, matcher_module._fill_live
 
 
 def step(self):
@@ -77,18 +77,17 @@ def trace(n: int) -> None:
         _profiler[0].export_chrome_trace(os.environ["TRACE"])
 
 
-def fill_rows(bitmask, matchers, rows):
-    rows = list(rows)
+def fill_live(executor, live, bitmask):
     t0 = time.perf_counter()
     try:
-        return _fill_rows(bitmask, matchers, rows)
+        return _fill_live(executor, live, bitmask)
     finally:
-        key = f"{threading.current_thread().name.split('_')[0]}:{len(rows)} rows"
+        key = f"{threading.current_thread().name.split('_')[0]}:{len(live)} rows"
         fills.setdefault(key, []).append(time.perf_counter() - t0)
 
 
 parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps
-PARTS = ("_land", "_launch", "_append", "_advance", "_advance_ahead")  # (those a tree has)
+PARTS = ("_land", "_launch", "_append", "_advance")  # (those a tree has; a deferred pick's _launch is in prepare_step)
 in_grammar_step = [False]
 
 
@@ -131,7 +130,7 @@ def on_gc(phase: str, info: dict) -> None:
 if __name__ == "__main__":
     engine_module.LLMEngine.step = step
     gc.callbacks.append(on_gc)
-    matcher_module._fill_rows = fill_rows
+    matcher_module._fill_live = fill_live
     if os.environ.get("PARTS") == "1":
         for name in PARTS:
             if hasattr(engine_module.LLMEngine, name):

@@ -106,9 +106,12 @@ class InFlight:
 
     sampled: list[Sequence]  # the sequences it samples, in order
     index: dict[int, int]  # sequence id -> its token's place in ``tokens``
-    tokens: torch.Tensor  # [S] on the device
-    host: torch.Tensor  # [S] their copy to the host, done once ``ready`` is
+    tokens: torch.Tensor | None  # [S] on the device (None until a deferred pick runs)
+    host: torch.Tensor | None  # [S] their copy to the host, done once ``ready`` is
     ready: "torch.cuda.Event | None" = None
+    # A step with grammar rows defers its pick: its logits wait, the rows' masks fill in the
+    # background, and the next step picks once it has prepared its inputs (`LLMEngine._picked`).
+    logits: torch.Tensor | None = None
 
 
 # Verify steps of up to this many rows replay graphs (larger ones run eagerly): the graphs hold
@@ -323,22 +326,30 @@ class LLMEngine:
         last token (a row that step gave it is computed and discarded; one
         that ends by max_tokens is not scheduled again). A step with grammar
         rows lands its predecessor before it picks (their masks need that
-        token), after launching its forward pass, so the masks' fill overlaps
-        the forward pass. The tokens are the same as without it. (Leaving the
-        pick to the next step, its masks filling in the background meanwhile,
-        measured slower on an H100: RESULTS.md, 2026-12-06.)"""
+        token), after launching its forward pass; with ``prefetch_masks`` (on
+        CUDA) it then leaves its pick to the next step, its rows' masks
+        filling in the background meanwhile: the next step schedules and
+        prepares, picks (the fill overlapped that host work and the device's
+        forward pass), then launches. Without it the masks are filled and
+        the pick launched in the step. The tokens are the same either way."""
         inflight, self._inflight = self._inflight, None
+        dead: list[GenerationResponse] = []  # rows of a deferred pick whose grammar allowed nothing
         if self.proposer is not None:
             self._propose()
         rows = self.scheduler.schedule()
         if not rows:
-            return [] if inflight is None else self._land(inflight, {})
+            if inflight is None:
+                return []
+            self._picked(inflight, dead)
+            return self._end(dead, {}) + self._land(inflight, {})
         now = time.perf_counter()
         for seq, _ in rows:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
         step = prepare_step(rows, self.device, self.blocks,
-                            None if inflight is None else (inflight.index, inflight.tokens))
+                            None if inflight is None else (inflight.index, lambda: self._picked(inflight, dead)))
+        if inflight is not None:  # (a step that fed none of its tokens picks them here)
+            self._picked(inflight, dead)
         sampled = [rows[r][0] for r in step.sampling_rows]
         overlap = self.async_scheduling and self._may_overlap(rows, sampled)
         logits = launched = None
@@ -356,22 +367,27 @@ class LLMEngine:
             self.store.end_step()
             self._steps += 1
             current = dict(rows)
-            outputs = []
+            outputs = self._end(dead, {})  # (their rows in this step hold no token of theirs: not counted)
             # An overlapped step launches its picks, then lands the step in flight; but a grammar row's
             # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
-            land_first = not overlap or any(seq.matcher is not None for seq in sampled)
+            grammar = [seq for seq in sampled if seq.matcher is not None]
+            land_first = not overlap or bool(grammar)
             if inflight is not None and land_first:
                 outputs += self._land(inflight, current)
             if overlap:
-                if sampled:
+                if grammar and self.prefetch_masks:  # the pick waits for masks filled in the background
+                    from pagedlm.structured.matcher import prefetch_bitmasks
+
+                    launched = InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, None, None,
+                                        logits=logits)
+                    prefetch_bitmasks([seq.matcher for seq in grammar if not seq.is_finished], pinned=logits.is_cuda)
+                elif sampled:
                     launched, ended = self._launch(logits, sampled)
                     outputs += self._end(ended, current)
                 if inflight is not None and not land_first:
                     outputs += self._land(inflight, current)
                 self._advance(rows, sampled)
                 self._inflight = launched
-                if launched is not None and self.prefetch_masks:
-                    self._advance_ahead(launched)
             else:
                 emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
                 outputs += self._settle(rows, sampled, emitted, first, logits)
@@ -390,11 +406,22 @@ class LLMEngine:
                 and all(picks_on_device(seq) and seq.params.logprobs is None and seq.params.max_tokens > 0
                         for seq in sampled))
 
+    def _picked(self, inflight: InFlight, dead: list[GenerationResponse]) -> torch.Tensor:
+        """``inflight``'s tokens on the device, picked now if its pick was
+        deferred (the responses of rows that die then join ``dead``)."""
+        if inflight.logits is not None:
+            launched, ended = self._launch(inflight.logits, inflight.sampled)
+            inflight.tokens, inflight.host, inflight.ready, inflight.logits = (launched.tokens, launched.host,
+                                                                               launched.ready, None)
+            dead += ended
+        return inflight.tokens
+
     def _launch(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[InFlight, list[GenerationResponse]]:
         """Pick the step's tokens on the device and start their copy to the
         host; grammar rows pick within their masks, filled now (their matchers
         hold every token before this step's). Also the responses of the rows
-        whose grammar allows nothing (they end, "error")."""
+        whose grammar allows nothing (they end, "error"; a token the step's
+        successor holds for them, `PENDING`, is dropped)."""
         constrained = [i for i, seq in enumerate(sampled) if seq.matcher is not None and not seq.is_finished]
         dead = []
         if constrained:
@@ -411,6 +438,8 @@ class LLMEngine:
                 logits = logits.index_copy(0, rows, masked)
             for i, ok in zip(constrained, live):
                 if not ok:
+                    if sampled[i].pending:
+                        sampled[i].output_ids.pop()
                     dead.append(self._end_without_token(sampled[i], "error"))
         tokens = pick_on_device(logits, sampled)
         ready = None
@@ -508,25 +537,6 @@ class LLMEngine:
                 if self.proposer is not None:
                     self.proposer.release(out.seq.seq_id)
         return outputs
-
-    @staticmethod
-    def _advance_ahead(launched: InFlight) -> None:
-        """Advance the grammar rows of a step just launched by their tokens,
-        then fill their next masks, in the background as soon as the device
-        has the tokens: the host's next step (scheduling, launching, landing
-        this step) runs meanwhile, where it would otherwise wait for them."""
-        rows = [j for j, seq in enumerate(launched.sampled) if seq.matcher is not None and not seq.is_finished]
-        if not rows:
-            return
-        from pagedlm.structured.matcher import prefetch_bitmasks
-
-        def tokens() -> list[int]:
-            if launched.ready is not None:
-                launched.ready.synchronize()
-            host = launched.host.tolist()
-            return [host[j] for j in rows]
-
-        prefetch_bitmasks([launched.sampled[j].matcher for j in rows], tokens, pinned=launched.ready is not None)
 
     def _pick(self, logits: torch.Tensor | None, sampled: list[Sequence]) -> tuple[list, list[int]]:
         """The tokens each sampled row emits (None: its grammar allows none)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ def prepare_step(
     rows: list[tuple["Sequence", int]],
     device: torch.device,
     blocks: "BlockManager | None" = None,
-    feed: "tuple[dict[int, int], torch.Tensor] | None" = None,
+    feed: "tuple[dict[int, int], torch.Tensor | Callable[[], torch.Tensor]] | None" = None,
 ) -> StepBatch:
     """The step for ``rows``: (sequence, number of new tokens) in row order;
     with ``blocks`` (the paged store) their block tables and slot mapping.
@@ -38,8 +38,11 @@ def prepare_step(
     Async scheduling: a decode row whose token the last step sampled and the
     host does not know yet (`PENDING`) is fed from ``feed``: (the row of
     each such sequence in the last step's tokens, those tokens on the
-    device). Nothing here waits for the device: the inputs leave pinned
-    memory on the current stream, and the fed tokens are gathered there.
+    device; or a function that gives them, called once the host's inputs
+    are built: the engine picks a step's tokens there when that pick waited
+    for grammar masks filled meanwhile). Nothing here waits for the device:
+    the inputs leave pinned memory on the current stream, and the fed tokens
+    are gathered there.
     """
     ids: list[int] = []
     positions: list[int] = []
@@ -87,7 +90,8 @@ def prepare_step(
     input_ids, positions_t, seq_lens, logits_rows, at, src, *paged = (
         t[:n] for t, n in zip(packed.split(spans), sizes))
     if fed_at:
-        input_ids.index_copy_(0, at, feed[1].index_select(0, src))
+        tokens = feed[1]() if callable(feed[1]) else feed[1]
+        input_ids.index_copy_(0, at, tokens.index_select(0, src))
     return StepBatch(
         input_ids=input_ids,
         positions=positions_t,

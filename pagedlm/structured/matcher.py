@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -44,8 +42,6 @@ class RowMatcher:
         self.error: str | None = None  # why the row is dead
         self.version = 0  # tokens advanced less tokens rolled back: names the state a mask is for
         self._prefetched: tuple[int, Future, int] | None = None  # (version, the fill's future, its row)
-        self._ahead: tuple[_Ahead, int] | None = None  # a background job advances it (the job, its row)
-        self._stopped: bool | None = None  # what that job saw after advancing, while its fill runs
 
     def ready(self) -> bool:
         """Its grammar is compiled (or failed to compile: then it is dead at
@@ -92,20 +88,7 @@ class RowMatcher:
 
     def advance(self, token: int) -> None:
         """The row's sampled ``token`` is part of the output; a token the
-        grammar refuses kills the row. Where `prefetch_bitmasks` advanced the
-        matcher by it already, this counts it (waiting for that, not for the fill)."""
-        if self._ahead is not None:
-            job, j = self._ahead
-            self._ahead = None
-            job.advanced.wait()
-            if job.seen[j] is not None:  # (None: the job failed, or the row was dead: as below)
-                seen, refused, self._stopped = job.seen[j]
-                if seen != token:
-                    raise RuntimeError(f"the matcher was advanced by token {seen} ahead, not by {token}")
-                self.version += 1
-                if refused is not None:
-                    self.fail(f"token {token} is outside the grammar: {refused}")
-                return
+        grammar refuses kills the row."""
         self._settle()
         matcher = self._live()
         if matcher is None:
@@ -125,8 +108,6 @@ class RowMatcher:
     @property
     def is_finished(self) -> bool:
         """The output is complete: the grammar takes nothing more (the row ends, "stop")."""
-        if self._busy():  # a background fill holds the matcher: what its job saw after the advance
-            return self.error is None and self._stopped
         self._settle()
         return self.error is None and self._matcher is not None and self._matcher.is_stopped() \
             and not self._matcher.is_error()
@@ -134,8 +115,6 @@ class RowMatcher:
     @property
     def is_dead(self) -> bool:
         """No token can continue the output: the row must end (`error` says why)."""
-        if self._busy():
-            return self.error is not None
         self._settle()
         return self._live() is None if self._compiled.done() else False
 
@@ -144,12 +123,6 @@ class RowMatcher:
         to finish: llguidance's matcher is not to be used by two threads."""
         if self._prefetched is not None:
             self._prefetched[1].result()
-        self._stopped = None
-
-    def _busy(self) -> bool:
-        """A background job that advanced the matcher (and whose advance this
-        row counted) is still filling its mask."""
-        return self._stopped is not None and self._prefetched is not None and not self._prefetched[1].done()
 
     def fail(self, reason: str) -> None:
         """Kill the row (the sampler: the request's other rules leave nothing the grammar allows)."""
@@ -210,9 +183,15 @@ def _fill_rows(bitmask: np.ndarray, matchers: list[RowMatcher], rows) -> set[int
     """llguidance's masks of the live ones of ``matchers[rows]`` into those
     rows of ``bitmask``, the lanes at once (`_by_lane`); which rows were live."""
     executor, live = _by_lane(matchers, rows)
-    if live:  # (llguidance refuses an empty list)
-        executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, bitmask.shape[1] * 4, len(matchers))
+    _fill_live(executor, live, bitmask)
     return {j for _, j in live}
+
+
+def _fill_live(executor: llguidance.LLExecutor, live: list[tuple[llguidance.LLMatcher, int]],
+               bitmask: np.ndarray) -> None:
+    """``executor``'s fill of the ``live`` rows (`_by_lane`) of ``bitmask``: one call."""
+    if live:  # (llguidance refuses an empty list)
+        executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, bitmask.shape[1] * 4, len(bitmask))
 
 
 def _words(matchers: list[RowMatcher]) -> int:
@@ -237,62 +216,34 @@ def hand_off_the_gil_quickly() -> None:
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
-class _Ahead:
-    """`prefetch_bitmasks`'s advance of ``n`` matchers on its thread:
-    ``advanced`` is set once each has consumed its token; ``seen[j]``: (the
-    token, why the grammar refused it or None, whether the grammar was then
-    complete), None where the row was dead (or the tokens never came)."""
-
-    def __init__(self, n: int) -> None:
-        self.advanced = threading.Event()
-        self.seen: list[tuple[int, str | None, bool] | None] = [None] * n
-
-    def run(self, matchers: list[RowMatcher], tokens: list[int]) -> None:
-        executor, live = _by_lane(matchers, range(len(matchers)))
-        took = executor.consume_token_par([(matcher, tokens[j]) for matcher, j in live]) if live else []
-        for (matcher, j), ok in zip(live, took):
-            self.seen[j] = (tokens[j], None if ok else one_line(matcher.get_error()), matcher.is_stopped())
-
-
-def prefetch_bitmasks(matchers: list[RowMatcher], ahead: Callable[[], list[int]] | None = None,
-                      pinned: bool = False) -> None:
-    """Start filling ``matchers``' next bitmasks on a background thread
-    (llguidance drops the GIL while it computes), in pinned memory if
-    ``pinned``. The engine calls it once a step's tokens have advanced them,
-    so that the fill overlaps the host's next step and the device's forward
-    pass; or, with ``ahead`` (an async step's tokens, a row each: the call
-    waits for the device to have them), as soon as it launched that step:
-    the thread then advances each matcher by its token before the fill, and
-    the row's next `advance` (by that token, when the step lands) only counts
-    it. `fill_bitmask` takes a row from here while its matcher has not
-    moved since; a matcher's own calls (advance, rollback, is_finished,
-    is_dead, fill) wait for the fill first, but for what the advance saw."""
+def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False) -> None:
+    """Start filling ``matchers``' next bitmasks on a background thread, in
+    pinned memory if ``pinned``: the engine calls it once a step's tokens
+    have advanced them, so that the fill overlaps the host's next step (and
+    the device's forward pass). The rows are picked out here, on the
+    calling thread: the background thread only calls llguidance, which drops
+    the GIL (its Python beside the step's cost the step more than the fill
+    it moved, 2026-12-06). `fill_bitmask` takes a row from it while its
+    matcher has not moved since; a matcher's own calls (advance, rollback,
+    is_finished, is_dead, fill) wait for the fill first."""
     global _pending
     if not matchers:
         return
     if _pending is not None:
         _pending.result()
     out = torch.empty((len(matchers), _words(matchers)), dtype=torch.int32, pin_memory=pinned)
-    job = _Ahead(len(matchers)) if ahead is not None else None
+    bitmask = out.numpy()
+    executor, live = _by_lane(matchers, range(len(matchers)))
+    filled = {j for _, j in live}
+    for j in set(range(len(matchers))) - filled:
+        bitmask[j] = 0
 
     def fill() -> tuple[torch.Tensor, set[int]]:
-        if job is not None:
-            try:
-                job.run(matchers, ahead())
-            finally:
-                job.advanced.set()
-        bitmask = out.numpy()  # (a row whose token the grammar refused is dead: `advance` says why)
-        rows = range(len(matchers)) if job is None else [j for j, seen in enumerate(job.seen)
-                                                        if seen is not None and seen[1] is None]
-        live = _fill_rows(bitmask, matchers, rows)
-        for j in set(range(len(matchers))) - live:
-            bitmask[j] = 0
-        return out, live
-
+        _fill_live(executor, live, bitmask)
+        return out, filled
     _pending = future = _background.submit(fill)
     for j, m in enumerate(matchers):
-        m._prefetched = (m.version + (job is not None), future, j)
-        m._ahead = None if job is None else (job, j)
+        m._prefetched = (m.version, future, j)
 
 
 def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:

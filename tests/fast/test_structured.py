@@ -441,62 +441,6 @@ def test_a_mask_filled_ahead_is_taken_only_for_the_state_it_was_filled_for(setup
     assert torch.equal(got[2], again[2]) and not torch.equal(got[2], fresh[2])
 
 
-def test_a_matcher_advanced_ahead_counts_the_token_and_sees_what_the_step_would(setup, monkeypatch):
-    """`prefetch_bitmasks` with ``ahead`` (an async step's tokens): the
-    background thread advances each matcher by its token, then fills its next
-    mask. Against twin rows advanced and filled on the step's thread: the
-    same masks (taken whole from the background fill), the same
-    `is_finished` (a row its token completes), the same death and error for
-    a token the grammar refuses; `advance` by another token than the one
-    sent ahead is an error, never a silent second advance."""
-    from pagedlm.structured import matcher as matcher_module
-    from pagedlm.structured.matcher import fill_bitmask, prefetch_bitmasks
-
-    tokenizer, compiler = setup
-    kinds = [Constraint(regex="ab"), Constraint(regex="[a-c]{2,9}"), Constraint(choice=["yes", "no"])]
-    twins = [[row(tokenizer, compiler, k, False, seed=i).matcher for i, k in enumerate(kinds)] for _ in range(2)]
-    for m in twins[0] + twins[1]:
-        wait_ready_matcher(m)
-    a, b = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("ab", add_special_tokens=False)
-    assert len(a) == len(b) == 1  # (both models)
-    tokens = [b[0], a[0], a[0]]  # "ab" completes row 0; row 2 refuses "a"
-    first = fill_bitmask(twins[0])
-    assert torch.equal(first[0], fill_bitmask(twins[1])[0])
-    waited, release, fill_rows = threading.Event(), threading.Event(), matcher_module._fill_rows
-
-    def ahead():
-        waited.wait(5)  # (the device's copy of the tokens, not yet done)
-        return tokens
-
-    def held(*args):  # the background fill waits until the checks below are done
-        release.wait(5)
-        return fill_rows(*args)
-    monkeypatch.setattr(matcher_module, "_fill_rows", held)
-    prefetch_bitmasks(twins[0], ahead)
-    waited.set()
-    for m, t in zip(twins[0], tokens):
-        m.advance(t)
-    for m, t in zip(twins[1], tokens):
-        m.advance(t)
-    for here, there in zip(*twins):  # the fill still running: what the advance saw
-        assert here._busy() or here.error is not None
-        assert (here.version, here.is_finished, here.is_dead, here.error) == \
-            (there.version, there.is_finished, there.is_dead, there.error)
-    release.set()
-    monkeypatch.undo()
-    assert twins[0][2].is_dead and "outside the grammar" in twins[0][2].error
-    assert twins[1][0].is_finished and not twins[1][1].is_finished
-    whole = twins[0][0]._prefetched[1].result()[0]
-    got, live = fill_bitmask(twins[0])
-    want, want_live = fill_bitmask(twins[1])
-    assert got is whole and torch.equal(got, want) and live == want_live == [True, True, False]
-    assert not got[2].any()
-
-    prefetch_bitmasks(twins[0][1:2], lambda: [a[0]])
-    with pytest.raises(RuntimeError, match="advanced by token"):
-        twins[0][1].advance(b[0])
-
-
 def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
     """A grammar compiled in three lanes (rows copy the compiles in turn and
     an executor of a thread a lane fills them) gives every row the bits

@@ -156,22 +156,25 @@ def test_an_invalid_constraint_is_refused_when_added(model, tokenizer):
     assert not engine.has_unfinished()
 
 
-def _engine(model, tokenizer, options: EngineOptions, on: bool) -> LLMEngine:
-    """An engine with async scheduling ``on``."""
-    return LLMEngine(model, tokenizer, _async(options, on))
+def _engine(model, tokenizer, options: EngineOptions, on: bool, deferred: bool = False) -> LLMEngine:
+    """An engine with async scheduling ``on``; ``deferred``: its grammar steps
+    leave their picks to the next step, masks filled in the background (as on CUDA)."""
+    engine = LLMEngine(model, tokenizer, _async(options, on))
+    engine.prefetch_masks = deferred
+    return engine
 
 
-@pytest.mark.parametrize("store,ahead", [("default", False), ("paged-caching", False), ("paged-caching", True)])
+@pytest.mark.parametrize("store,deferred", [("default", False), ("paged-caching", False), ("paged-caching", True)])
 def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens(model, tokenizer, monkeypatch,
-                                                                                store, ahead):
+                                                                                store, deferred):
     """Async scheduling with grammar rows: each step lands the token in flight
-    before its picks, fills the masks from it and picks on the device; the
-    outputs (greedy JSON, regex and choice rows beside a plain one, a late
-    arrival, rows ending on their grammar mid-batch) are the synchronous
-    engine's, and steps were left in flight while grammar rows ran. With
-    ``ahead`` (``prefetch_masks``, CUDA's default), a background thread
-    advances the rows of a step just launched and fills their next masks:
-    most masks are taken from there, the outputs the same."""
+    before its picks, fills the masks from it and picks on the device (or,
+    ``deferred``, fills them in the background and leaves the pick to the
+    next step, once that step has prepared its inputs: most masks are then
+    taken from the background fill); the outputs (greedy JSON, regex and
+    choice rows beside a plain one, a late arrival, rows ending on their
+    grammar mid-batch) are the synchronous engine's, and steps were left in
+    flight (their picks deferred) while grammar rows ran."""
     import pagedlm.structured as structured
 
     prompt = tokenizer.encode("Reply: ")
@@ -184,33 +187,36 @@ def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens
     monkeypatch.setattr(structured, "fill_bitmask", counting)  # the name `grammar_masks` imports
 
     def outputs(on: bool):
-        engine = _engine(model, tokenizer, STORES[store], on)
-        engine.prefetch_masks = on and ahead
+        engine = _engine(model, tokenizer, STORES[store], on, deferred=on and deferred)
         seqs = [engine.add_request(prompt, constrained(k, n=2 if i == 0 else 1)) for i, k in enumerate(kinds)]
         seqs.append(engine.add_request(tokenizer.encode("abc"), SamplingParams(max_tokens=20, ignore_eos=True)))
-        overlapped, steps = [], 0
+        overlapped, waited, steps = [], [], 0
         while engine.has_unfinished():
             engine.step()
             steps += 1
             # a step in flight with grammar rows (the first steps may have none, their grammars compiling)
             inflight = engine._inflight
             overlapped.append(inflight is not None and any(s.matcher is not None for s in inflight.sampled))
+            waited.append(inflight is not None and inflight.logits is not None)  # its pick deferred
             if steps == 3:
                 seqs.append(engine.add_request(prompt, constrained(dict(json=SCHEMA))))
-        return [[(s.output_ids, s.text, s.finish_reason) for s in group] for group in seqs], overlapped
+        return [[(s.output_ids, s.text, s.finish_reason) for s in group] for group in seqs], overlapped, waited
 
-    sync, never = outputs(False)
+    sync, never, _ = outputs(False)
     taken.clear()
-    got, overlapped = outputs(True)
+    got, overlapped, waited = outputs(True)
     assert got == sync and any(overlapped) and not any(never)
+    assert all(w == (deferred and o) for w, o in zip(waited, overlapped))
     assert all(finish == "stop" for group in got[:3] for _, _, finish in group)
-    assert (sum(taken) > len(taken) / 2) if ahead else not any(taken)
+    assert (sum(taken) > len(taken) / 2) if deferred else not any(taken)
 
 
-def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(model, tokenizer, monkeypatch):
+@pytest.mark.parametrize("deferred", [False, True], ids=["picked", "deferred"])
+def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(model, tokenizer, monkeypatch, deferred):
     """A grammar row whose mask allows nothing at a step in flight (a parser
     limit, here forced) ends "error" with the tokens it had, as without async
-    scheduling; its neighbours go on."""
+    scheduling (``deferred``: found by the next step's pick, after that step
+    gave the row a token to come); its neighbours go on."""
     import numpy as np
 
     import pagedlm.structured as structured
@@ -218,7 +224,7 @@ def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(mod
     fill = structured.fill_bitmask
 
     def outputs(on: bool):
-        engine = _engine(model, tokenizer, STORES["paged"], on)
+        engine = _engine(model, tokenizer, STORES["paged"], on, deferred=on and deferred)
         (dies,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
         (lives,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
 
@@ -243,7 +249,8 @@ def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(mod
     assert sync[1][2] == "stop" and re.fullmatch("[a-z]{12}", sync[1][1])
 
 
-def test_grammar_rows_that_need_the_host_stay_synchronous_under_async(model, tokenizer):
+@pytest.mark.parametrize("deferred", [False, True], ids=["picked", "deferred"])
+def test_grammar_rows_that_need_the_host_stay_synchronous_under_async(model, tokenizer, deferred):
     """Greedy grammar rows pick on the device, a one-token bad word cleared
     from the bitmask on the host; seeded or penalized grammar rows, and
     grammar rows with min_tokens, sample on the host (their steps run
@@ -258,7 +265,7 @@ def test_grammar_rows_that_need_the_host_stay_synchronous_under_async(model, tok
              constrained(dict(regex=r"[a-c ]{2,9}"), min_tokens=3)]
 
     def outputs(on: bool):
-        engine = _engine(model, tokenizer, STORES["paged-caching"], on)
+        engine = _engine(model, tokenizer, STORES["paged-caching"], on, deferred=on and deferred)
         seqs = [engine.add_request(prompt, p)[0] for p in kinds]
         doomed = engine.add_request(prompt, constrained(dict(json=SCHEMA)))[0]
         on_device = [picks_on_device(s) for s in seqs]
