@@ -43,7 +43,7 @@ from pagedlm.cli import main
 
 counts = {"steps": 0}
 fills: dict[str, list[float]] = {}
-_step, _fill_live = engine_module.LLMEngine.step, matcher_module._fill_live
+_step, _fill_live = engine_module.LLMEngine.step, getattr(matcher_module, "_fill_live", None)  # (a tree may lack it)
 
 
 def step(self):
@@ -130,7 +130,8 @@ def on_gc(phase: str, info: dict) -> None:
 if __name__ == "__main__":
     engine_module.LLMEngine.step = step
     gc.callbacks.append(on_gc)
-    matcher_module._fill_live = fill_live
+    if _fill_live is not None:
+        matcher_module._fill_live = fill_live
     if os.environ.get("PARTS") == "1":
         for name in PARTS:
             if hasattr(engine_module.LLMEngine, name):
