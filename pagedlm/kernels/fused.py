@@ -149,7 +149,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offs
     dtype before the norm reads it, as the add stores it). With a
     ``pre_weight`` too, ``x`` is first normed by it (the same ``eps`` and
     offset): ``s = residual + norm(x)``, Gemma's sandwich; and without a
-    ``weight``, ``s`` alone is returned."""
+    ``weight``, ``s`` alone is returned. Compiled without fused multiply-adds:
+    in float32 the round to the dtype is no op, and the compiler fused the
+    norm's last product with the residual add (an H100: the fused sandwich
+    then differed from the norm and the add in their last bit)."""
     if (pre_weight is not None or weight is None) and residual is None:
         raise ValueError("rms_norm: a pre_weight, or no weight, needs a residual")
     n = x.shape[-1]
@@ -163,7 +166,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offs
                                            res.stride(0), out.stride(0), total.stride(0), n, eps,
                                            PRE=pre_weight is not None, ADD=residual is not None,
                                            NORM=weight is not None, UNIT_OFFSET=unit_offset,
-                                           BLOCK=triton.next_power_of_2(n))
+                                           BLOCK=triton.next_power_of_2(n), enable_fp_fusion=False)
     if residual is None:
         return out.view(x.shape)
     return total.view(x.shape) if weight is None else (out.view(x.shape), total.view(x.shape))
