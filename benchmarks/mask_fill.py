@@ -82,7 +82,8 @@ def main() -> None:
             for j, m in enumerate(matchers):  # (numpy: torch's CPU threads would spin beside llguidance's)
                 if live[j] and not m.is_finished:
                     m.advance(texts[j][step] if texts else rng.choice(np.flatnonzero(allowed[j]).tolist()))
-        print(json.dumps({"rows": rows, "lanes": lanes, "beside_ms": beside, "walk": walk, "vocab": vocab, "steps": steps,
+        print(json.dumps({"rows": rows, "lanes": lanes, "beside_ms": beside, "walk": walk, "vocab": vocab,
+                          "steps": steps,
                           "dead": sum(m.is_dead for m in matchers),
                           "fill_ms_per_step": round(1000 * fresh / steps, 3),
                           "fill_cpu_ms_per_step": round(1000 * cpu / steps, 3),  # all threads: > wall if parallel

@@ -3,7 +3,8 @@
 A matcher's token bitmask is llguidance's: int32 words, bit ``j`` of word
 ``i`` allows token ``32 * i + j``, filled on the CPU; `masked_logits` moves a
 step's bitmasks to the logits' device and expands them there with torch ops
-(`mask_bias`). llguidance.torch's own apply runs through ``torch.compile``:
+(`mask_bias`), or on CUDA with one Triton kernel (`kernels.fused.masked_logits`).
+llguidance.torch's own apply runs through ``torch.compile``:
 its first call took 57 s on this project's 2-core CPU, 3 s on an H200 host.
 
 A row whose grammar allows no token, or whose sampled token its grammar
@@ -209,9 +210,10 @@ def hand_off_the_gil_quickly() -> None:
     """Let a thread that waits for the GIL have it within `GIL_SWITCH_S`
     (Python's default: 5 ms). A background fill needs it for moments (to
     start its calls into llguidance, which then drop it): with the default
-    it waits out the step thread's Python work instead of overlapping it. Here (2 cores, 64 rows, SmolLM2's tokenizer), a
-    prefetch beside 3 ms of Python on the step's thread finished after
-    4.5-4.8 ms with the default, 3.1 ms with 0.1 ms (alone: 1.8-2.4).
+    it waits out the step thread's Python work instead of overlapping it.
+    Here (2 cores, 64 rows, SmolLM2's tokenizer), a prefetch beside 3 ms of
+    Python on the step's thread finished after 4.5-4.8 ms with the default,
+    3.1 ms with 0.1 ms (alone: 1.8-2.4).
     Process-wide (Python has no other knob); never raises the interval."""
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
@@ -267,7 +269,6 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
     ahead = [m._prefetched for m in matchers]
     for m in matchers:
         m._prefetched = None
-        m._settle()
     prefetched = ahead[0][1].result() if ahead[0] is not None else None
     if prefetched is not None and len(prefetched[0]) == len(matchers) and prefetched[0].is_pinned() == pinned \
             and all(a is not None and a[1] is ahead[0][1] and a[2] == j and a[0] == m.version
