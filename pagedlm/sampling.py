@@ -49,7 +49,7 @@ rest to -inf, never the best), and top-p always keeps the best token.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Collection, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -123,16 +123,10 @@ class TokenRules:
 
     def mask(self, width: int, device: torch.device) -> torch.Tensor:
         """float32 ``[width]``: 0 for the tokens it permits (bias and the step's
-        own bans aside), -inf for the rest; once per width and device."""
-        key = (f"mask{width}", device)
-        if key not in self._tensors:
-            mask = torch.zeros(width, dtype=torch.float32)
-            if self.allowed is not None:
-                mask.fill_(float("-inf"))[sorted(self.allowed)] = 0.0
-            if self.banned:
-                mask[sorted(self.banned)] = float("-inf")
-            self._tensors[key] = mask.to(device)
-        return self._tensors[key]
+        own bans aside), -inf for the rest. Rules that permit the same tokens
+        share one tensor a device (made, and copied there, once: a request's
+        first step does not wait for a copy of its own)."""
+        return _permitted_mask(self.banned, self.allowed, width, torch.device(device))
 
     def words(self, width: int) -> np.ndarray:
         """int32 ``[ceil(width / 32)]``, read-only: bit ``j`` of word ``i`` set
@@ -168,6 +162,17 @@ def _permitted_words(banned: frozenset[int], allowed: frozenset[int] | None, wid
     words = np.packbits(keep, bitorder="little").view("<i4")
     words.flags.writeable = False
     return words
+
+
+@functools.lru_cache(maxsize=64)
+def _permitted_mask(banned: frozenset[int], allowed: frozenset[int] | None, width: int,
+                    device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(width, dtype=torch.float32)
+    if allowed is not None:
+        mask.fill_(float("-inf"))[sorted(allowed)] = 0.0
+    if banned:
+        mask[sorted(banned)] = float("-inf")
+    return mask.to(device)
 
 
 def bad_words_ids(words: Iterable[str], tokenizer: "Tokenizer") -> list[tuple[int, ...]]:
@@ -322,20 +327,21 @@ def picks_on_device(seq: "Sequence") -> bool:
             and (seq.generator is None or seq.params.seed is None))
 
 
-def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
+def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"], ruled: Collection[int] = ()) -> torch.Tensor:
     """The tokens of rows that `picks_on_device`, ``[B]`` on the logits' device,
     with no wait for them. A greedy row's is its argmax among the tokens its
     rules permit: the token `sample` picks (the permitted maximum there too,
     its first index where several tie). A sampled row's is drawn on the
-    device from the distribution `sample_row` draws from (`_probs`)."""
-    rules = [seq.rules for seq in seqs]
+    device from the distribution `sample_row` draws from (`_probs`). Rows
+    in ``ruled`` have their rules in their logits already (`grammar_masks`)."""
     width, device = logits.shape[-1], logits.device
-    if any(r is not None for r in rules):
-        if all(r is rules[0] for r in rules):
-            logits = logits + rules[0].mask(width, device)
+    masks = [None if i in ruled or seq.rules is None else seq.rules.mask(width, device) for i, seq in enumerate(seqs)]
+    if any(m is not None for m in masks):
+        if all(m is masks[0] for m in masks):  # (rules that permit the same tokens share their mask)
+            logits = logits + masks[0]
         else:
             keep_all = torch.zeros(width, device=device)
-            logits = logits + torch.stack([keep_all if r is None else r.mask(width, device) for r in rules])
+            logits = logits + torch.stack([keep_all if m is None else m for m in masks])
     greedy = logits.argmax(-1)
     drawn = [i for i, seq in enumerate(seqs) if seq.generator is not None]
     if not drawn:

@@ -441,7 +441,7 @@ class LLMEngine:
                     if sampled[i].pending:
                         sampled[i].output_ids.pop()
                     dead.append(self._end_without_token(sampled[i], "error"))
-        tokens = pick_on_device(logits, sampled)
+        tokens = pick_on_device(logits, sampled, ruled=set(constrained))  # (grammar_masks folded their rules in)
         ready = None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -226,6 +226,10 @@ def test_pick_on_device_is_the_samplers_pick_including_ties_and_bans():
         logits = torch.round(torch.randn(6, vocab, generator=gen) * 2) / 2
         logits[:, sorted(banned)] += 5  # the raw argmax is often banned
         assert pick_on_device(logits, rows).tolist() == sample(logits, rows)
+        # rows whose logits carry their rules already (a grammar row's mask): their rules are not applied again
+        ruled = {i for i in range(6) if i % 2}
+        plain = [Row(None) if i in ruled else row for i, row in enumerate(rows)]
+        assert pick_on_device(logits, rows, ruled=ruled).tolist() == sample(logits, plain)
 
 
 def test_abort_with_a_token_in_flight_leaves_no_pending_token_and_frees_everything():

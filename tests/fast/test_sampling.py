@@ -207,3 +207,8 @@ def test_rule_words_are_the_rule_mask_in_llguidances_bit_layout(allowed):
     bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
     assert bits[:width].tolist() == (rules.mask(width, torch.device("cpu")) == 0).tolist()
     assert not bits[width:].any()
+    # another request's rules that permit the same tokens share both (a step applies each once)
+    same, other = TokenRules(banned=[99, 70, 32, 1], allowed=allowed), TokenRules(banned=[1, 32, 70], allowed=allowed)
+    assert same.words(width) is words and same.mask(width, "cpu") is rules.mask(width, torch.device("cpu"))
+    assert other.words(width) is not words and not np.array_equal(other.words(width), words)
+    assert not words.flags.writeable  # shared: nobody may change it in place
