@@ -167,12 +167,9 @@ def _permitted_words(banned: frozenset[int], allowed: frozenset[int] | None, wid
 @functools.lru_cache(maxsize=64)
 def _permitted_mask(banned: frozenset[int], allowed: frozenset[int] | None, width: int,
                     device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(width, dtype=torch.float32)
-    if allowed is not None:
-        mask.fill_(float("-inf"))[sorted(allowed)] = 0.0
-    if banned:
-        mask[sorted(banned)] = float("-inf")
-    return mask.to(device)
+    """`_permitted_words` as 0 / -inf floats on ``device``."""
+    keep = np.unpackbits(_permitted_words(banned, allowed, width).view(np.uint8), bitorder="little")[:width]
+    return torch.where(torch.from_numpy(keep.astype(bool)), 0.0, float("-inf")).to(device)
 
 
 def bad_words_ids(words: Iterable[str], tokenizer: "Tokenizer") -> list[tuple[int, ...]]:

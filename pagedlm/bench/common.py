@@ -237,4 +237,3 @@ def kernel_compiles():
         yield seen
     finally:
         knobs.runtime.jit_post_compile_hook = before
-

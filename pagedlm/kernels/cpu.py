@@ -67,4 +67,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` by oneDNN (the op inductor's CPU fusions call), reading the weight as laid out."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-

@@ -195,12 +195,20 @@ def _fill_live(executor: llguidance.LLExecutor, live: list[tuple[llguidance.LLMa
         executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, bitmask.shape[1] * 4, len(bitmask))
 
 
-def _words(matchers: list[RowMatcher]) -> int:
-    """A bitmask row's int32 words for ``matchers`` (which must share a width)."""
+def _new_bitmask(matchers: list[RowMatcher], pinned: bool) -> torch.Tensor:
+    """An unset CPU int32 bitmask, a row per matcher (which must share a
+    width), pinned if ``pinned``: llguidance writes its live rows whole, and
+    `_zero_all_but` clears the rest."""
     width = matchers[0].width
     if any(m.width != width for m in matchers):
         raise ValueError(f"one step's matchers must share a width (got {sorted({m.width for m in matchers})})")
-    return (width + 31) // 32
+    return torch.empty((len(matchers), (width + 31) // 32), dtype=torch.int32, pin_memory=pinned)
+
+
+def _zero_all_but(bitmask: np.ndarray, filled: set[int]) -> None:
+    """Clear the rows of ``bitmask`` not in ``filled`` (a dead row allows nothing)."""
+    for j in set(range(len(bitmask))) - filled:
+        bitmask[j] = 0
 
 
 GIL_SWITCH_S = 1e-4
@@ -233,12 +241,11 @@ def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False) -> None:
         return
     if _pending is not None:
         _pending.result()
-    out = torch.empty((len(matchers), _words(matchers)), dtype=torch.int32, pin_memory=pinned)
+    out = _new_bitmask(matchers, pinned)
     bitmask = out.numpy()
     executor, live = _by_lane(matchers, range(len(matchers)))
     filled = {j for _, j in live}
-    for j in set(range(len(matchers))) - filled:
-        bitmask[j] = 0
+    _zero_all_but(bitmask, filled)
 
     def fill() -> tuple[torch.Tensor, set[int]]:
         _fill_live(executor, live, bitmask)
@@ -262,7 +269,6 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
     `benchmarks/mask_fill.py` whose own bookkeeping ran in torch filled 16
     rows in 2.4 ms on this 2-core machine, 1.2 ms with one torch thread)."""
     global _pending
-    words = _words(matchers)
     if _pending is not None:  # one fill at a time on the executors
         _pending.result()
         _pending = None
@@ -276,7 +282,7 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
         out, filled = prefetched  # the prefetch, row for row: taken as it is
         bitmask = out.numpy()
     else:
-        out = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=pinned)  # unfilled rows: zeroed below
+        out = _new_bitmask(matchers, pinned)
         bitmask = out.numpy()
         filled, todo = set(), []
         for j, (a, m) in enumerate(zip(ahead, matchers)):
@@ -288,8 +294,7 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
             else:
                 todo.append(j)
         filled |= _fill_rows(bitmask, matchers, todo)
-        for j in set(range(len(matchers))) - filled:
-            bitmask[j] = 0
+        _zero_all_but(bitmask, filled)
     allows = bitmask.any(axis=1)
     return out, [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
 

@@ -198,15 +198,19 @@ def test_stop_matcher_keeps_the_stop_string_with_include_and_names_the_first():
 @pytest.mark.parametrize("allowed", [None, [0, 5, 31, 32, 63, 99]])
 def test_rule_words_are_the_rule_mask_in_llguidances_bit_layout(allowed):
     """`TokenRules.words` (what async grammar rows AND into their bitmasks)
-    permits exactly the tokens `TokenRules.mask` leaves at 0: bit j of
-    int32 word i is token 32 i + j, past the vocabulary nothing."""
-    rules = TokenRules(banned=[1, 32, 70, 99], allowed=allowed)
+    and `TokenRules.mask` (what the sampler adds) permit exactly the tokens
+    the rules do: bit j of int32 word i is token 32 i + j, past the
+    vocabulary nothing; the mask 0 there and -inf elsewhere."""
+    banned = [1, 32, 70, 99]
+    rules = TokenRules(banned=banned, allowed=allowed)
     width = 100
+    permitted = [t not in banned and (allowed is None or t in allowed) for t in range(width)]
     words = rules.words(width)
     assert words.dtype == np.int32 and words.shape == (4,)
     bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
-    assert bits[:width].tolist() == (rules.mask(width, torch.device("cpu")) == 0).tolist()
-    assert not bits[width:].any()
+    assert bits[:width].tolist() == permitted and not bits[width:].any()
+    mask = rules.mask(width, torch.device("cpu"))
+    assert mask.dtype == torch.float32 and mask.tolist() == [0.0 if p else float("-inf") for p in permitted]
     # another request's rules that permit the same tokens share both (a step applies each once)
     same, other = TokenRules(banned=[99, 70, 32, 1], allowed=allowed), TokenRules(banned=[1, 32, 70], allowed=allowed)
     assert same.words(width) is words and same.mask(width, "cpu") is rules.mask(width, torch.device("cpu"))

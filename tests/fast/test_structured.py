@@ -439,6 +439,10 @@ def test_a_mask_filled_ahead_is_taken_only_for_the_state_it_was_filled_for(setup
     assert torch.equal(got[:2], fresh[:2])
     again, _ = fill_bitmask(matchers)
     assert torch.equal(got[2], again[2]) and not torch.equal(got[2], fresh[2])
+    prefetch_bitmasks(matchers)  # nothing moves: the step takes the background fill as it is
+    whole = matchers[0]._prefetched[1].result()[0]
+    took, live = fill_bitmask(matchers)
+    assert took is whole and torch.equal(took, again) and live == [True] * 3
 
 
 def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
