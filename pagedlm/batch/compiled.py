@@ -103,6 +103,9 @@ class _RowKV:
     def __init__(self, views: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, kernel: bool) -> None:
         self.views, self.slots, self.kernel = views, slots, kernel
 
+    def write_target(self, layer: int, step: StepBatch) -> None:
+        return None  # (keys and values go to the reserved views: `write`)
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, step: StepBatch) -> None:
         k, v = self.views[layer]
         slot = self.slots[layer : layer + 1]
@@ -123,6 +126,9 @@ class _GraphKV:
     def __init__(self, number: int) -> None:
         self.number = torch.tensor(number)
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write_target(self, layer: int, step: StepBatch) -> None:
+        return None  # (write_attend takes the keys and values)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, step: StepBatch) -> None:
         self.held[layer] = (keys, values)

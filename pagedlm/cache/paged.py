@@ -40,7 +40,7 @@ import torch
 
 from pagedlm.cache import kv_quant as kvq
 from pagedlm.kernels.copies import to_device
-from pagedlm.kernels.paged_attention import write_kv
+from pagedlm.kernels.paged_attention import KVTarget, write_kv
 
 
 class PagedPools:
@@ -100,6 +100,14 @@ class PagedPools:
             return
         self._put(self.k[layer], self.k_scale.get(layer), keys, slot_mapping)
         self._put(self.v[layer], self.v_scale.get(layer), values, slot_mapping)
+
+    def target(self, layer: int, slot_mapping: torch.Tensor) -> KVTarget | None:
+        """Where a kernel may write ``layer``'s new keys and values itself, as
+        `write` would (fused pools only; else None: call `write`)."""
+        if not self.fused:
+            return None
+        return KVTarget(self.k[layer], self.v[layer], slot_mapping, self.scales(layer), self.kv_quant,
+                        kvq.QMAX.get(self.kv_quant, 0.0))
 
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's key and value scales, or None when not quantized."""

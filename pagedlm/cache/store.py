@@ -5,6 +5,9 @@ A layer asks two things per step, whatever holds its keys:
     kv.write(layer, k, v, step)                  # this step's new [T, H_kv, D]
     out = kv.attend(layer, q, step, scale=s)     # [T, H_q, D]
 
+(or, where ``kv.write_target(layer, step)`` names the pools, a kernel that
+makes the keys stores them and the values there itself, in place of ``write``).
+
 and each row's queries see exactly that row's keys: causal, and bounded by
 the window on sliding layers. The store stores; the attending is its
 attention backend's (``pagedlm.attention``, handed in when the engine
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from pagedlm.cache.layout import KVLayout
     from pagedlm.cache.paged import PagedPools
     from pagedlm.cache.step import StepBatch
+    from pagedlm.kernels.paged_attention import KVTarget
 
 
 def make_row_caches(specs: list[KVSpec], paged_layers: frozenset[int] = frozenset()) -> list[Cache | None]:
@@ -96,6 +100,12 @@ class KVStore:
         return sum(caches[i].nbytes for i in self.layout.row_layers) if caches else 0
 
     # -- the protocol the model sees ---------------------------------------
+
+    def write_target(self, layer: int, step: "StepBatch") -> "KVTarget | None":
+        """Where a kernel that makes the layer's keys may store them and the
+        values itself, in place of `write` (a paged layer whose pools the
+        kernels read); None: call `write`."""
+        return self.pools.target(layer, step.slot_mapping) if layer in self.layout.paged_layers else None
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, step: "StepBatch") -> None:
         if layer in self.layout.paged_layers:

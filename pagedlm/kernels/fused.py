@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.kernels.paged_attention import triton
+from pagedlm.kernels.paged_attention import KVTarget, scale_strides, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from pagedlm.kernels.paged_attention import write_head
 
     @triton.jit
     def _round(x, DTYPE: tl.constexpr):
@@ -70,33 +72,56 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(X, W, W2, Cos, Sin, Out, Out2, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
                           stride_o2t, stride_o2h, heads_first, eps,
-                          NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, D: tl.constexpr):
-        """Heads below ``heads_first`` (q) take W and go to Out, the rest (k) W2 and Out2."""
+                          V, KPool, VPool, KScale, VScale, Slots, stride_vt, stride_vh, kv_heads,
+                          sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+                          NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, D: tl.constexpr, WRITE: tl.constexpr,
+                          BS: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
+        """Heads below ``heads_first`` (q) take W and go to Out, the next
+        ``kv_heads`` (k) W2 and Out2. With WRITE k's heads go to KPool at the
+        token's slot instead, and ``kv_heads`` programs more copy V's heads
+        to VPool (`paged_attention.write_head`, which quantizes with QMAX;
+        a negative slot writes nothing)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         is_k = h >= heads_first
         h_out = tl.where(is_k, h - heads_first, h)
         d = tl.arange(0, D)
-        rolled = (d + D // 2) % D  # x.roll(D // 2)[d] = x[d - D/2] = x[(d + D/2) % D]
-        base = X + t * stride_xt + h * stride_xh
-        x = tl.load(base + d).to(tl.float32)
-        xr = tl.load(base + rolled).to(tl.float32)
-        if NORM:
-            scale = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)
-            w = tl.where(is_k, tl.load(W2 + d), tl.load(W + d)).to(tl.float32)
-            wr = tl.where(is_k, tl.load(W2 + rolled), tl.load(W + rolled)).to(tl.float32)
-            if UNIT_OFFSET:
-                x = _round(x * scale * (w + 1.0), Out.dtype.element_ty)
-                xr = _round(xr * scale * (wr + 1.0), Out.dtype.element_ty)
-            else:
-                x = _round(w * _round(x * scale, Out.dtype.element_ty), Out.dtype.element_ty)
-                xr = _round(wr * _round(xr * scale, Out.dtype.element_ty), Out.dtype.element_ty)
-        cos = tl.load(Cos + t * stride_ct + d).to(tl.float32)
-        sin = tl.load(Sin + t * stride_ct + d).to(tl.float32)
-        y = _round(x * cos, Out.dtype.element_ty) + _round(xr * sin, Out.dtype.element_ty)
-        y = y.to(Out.dtype.element_ty)
-        tl.store(Out + t * stride_ot + h_out * stride_oh + d, y, mask=d < tl.where(is_k, 0, D))
-        tl.store(Out2 + t * stride_o2t + h_out * stride_o2h + d, y, mask=d < tl.where(is_k, D, 0))
+        if h >= heads_first + kv_heads:  # (WRITE only) a value head, copied into the pool
+            hv = h - heads_first - kv_heads
+            slot = tl.load(Slots + t).to(tl.int64)
+            if slot >= 0:
+                block, off = slot // BS, slot % BS
+                write_head(tl.load(V + t * stride_vt + hv * stride_vh + d),
+                           VPool + block * sv_block + off * sv_tok + hv * sv_head + d * sv_dim,
+                           VScale + block * ss_block + off * ss_tok + hv * ss_head, QMAX, INT8)
+        else:
+            rolled = (d + D // 2) % D  # x.roll(D // 2)[d] = x[d - D/2] = x[(d + D/2) % D]
+            base = X + t * stride_xt + h * stride_xh
+            x = tl.load(base + d).to(tl.float32)
+            xr = tl.load(base + rolled).to(tl.float32)
+            if NORM:
+                scale = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)
+                w = tl.where(is_k, tl.load(W2 + d), tl.load(W + d)).to(tl.float32)
+                wr = tl.where(is_k, tl.load(W2 + rolled), tl.load(W + rolled)).to(tl.float32)
+                if UNIT_OFFSET:
+                    x = _round(x * scale * (w + 1.0), Out.dtype.element_ty)
+                    xr = _round(xr * scale * (wr + 1.0), Out.dtype.element_ty)
+                else:
+                    x = _round(w * _round(x * scale, Out.dtype.element_ty), Out.dtype.element_ty)
+                    xr = _round(wr * _round(xr * scale, Out.dtype.element_ty), Out.dtype.element_ty)
+            cos = tl.load(Cos + t * stride_ct + d).to(tl.float32)
+            sin = tl.load(Sin + t * stride_ct + d).to(tl.float32)
+            y = _round(x * cos, Out.dtype.element_ty) + _round(xr * sin, Out.dtype.element_ty)
+            y = y.to(Out.dtype.element_ty)
+            tl.store(Out + t * stride_ot + h_out * stride_oh + d, y, mask=d < tl.where(is_k, 0, D))
+            if not WRITE:
+                tl.store(Out2 + t * stride_o2t + h_out * stride_o2h + d, y, mask=d < tl.where(is_k, D, 0))
+            elif is_k:
+                slot = tl.load(Slots + t).to(tl.int64)
+                if slot >= 0:
+                    block, off = slot // BS, slot % BS
+                    write_head(y, KPool + block * sk_block + off * sk_tok + h_out * sk_head + d * sk_dim,
+                               KScale + block * ss_block + off * ss_tok + h_out * ss_head, QMAX, INT8)
 
     @triton.jit
     def _tanh(x):
@@ -174,25 +199,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offs
 
 def qk_norm_rope(x: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 unit_offset: bool = False, v: torch.Tensor | None = None,
+                 target: KVTarget | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``apply_rope(RMSNorm(x), (cos, sin))`` per head (the norm optional) of
     q and k in one launch: ``x`` ``[T, Hq + Hkv, D]`` holds
     q's heads then k's (as the fused q/k/v product lays them out), the first
     ``num_q`` normed by ``q_weight``, the rest by ``k_weight`` (both or
     neither); ``cos`` and ``sin`` ``[T, 1, D]``; new contiguous q ``[T, Hq, D]``
-    and k ``[T, Hkv, D]`` (``num_q = H``: every head normed as q, k empty)."""
+    and k ``[T, Hkv, D]`` (``num_q = H``: every head normed as q, k empty).
+    With a ``target`` (a paged layer's pools and the step's slots), k and
+    the values ``v`` ``[T, Hkv, D]`` go to its pools in the same launch, the
+    bits `paged_attention.write_kv` would store there, and k is None."""
     T, H, D = x.shape
     if x.stride(2) != 1:
         x = x.contiguous()
     cos, sin = cos.reshape(T, D), sin.reshape(T, D)
     q = torch.empty((T, num_q, D), dtype=x.dtype, device=x.device)
-    k = torch.empty((T, H - num_q, D), dtype=x.dtype, device=x.device)
+    k = None if target is not None else torch.empty((T, H - num_q, D), dtype=x.dtype, device=x.device)
     if T:
         norm = q_weight is not None
-        _norm_rope_kernel[(T, H)](x, q_weight if norm else x, k_weight if norm else x, cos, sin, q, k,
-                                  x.stride(0), x.stride(1), cos.stride(0), q.stride(0), q.stride(1),
-                                  k.stride(0), k.stride(1), num_q, eps,
-                                  NORM=norm, UNIT_OFFSET=unit_offset, D=D)
+        out2 = q if k is None else k
+        if target is not None:
+            if v is None or v.shape != (T, H - num_q, D) or v.stride(2) != 1:
+                raise ValueError(f"qk_norm_rope: a target needs values [{T}, {H - num_q}, {D}], D contiguous")
+            kv = (v, target.k_pool, target.v_pool, *(target.scales or (x, x)), target.slots, v.stride(0),
+                  v.stride(1), H - num_q, *target.k_pool.stride(), *target.v_pool.stride(),
+                  *scale_strides(target.scales))
+            write = dict(WRITE=True, BS=target.k_pool.shape[1], QMAX=float(target.qmax),
+                         INT8=target.fmt == "int8")
+        else:
+            kv = (x, x, x, x, x, x, 0, 0, H - num_q, *([0] * 11))
+            write = dict(WRITE=False, BS=1, QMAX=0.0, INT8=False)
+        grid = (T, H + (H - num_q if target is not None else 0))
+        _norm_rope_kernel[grid](x, q_weight if norm else x, k_weight if norm else x, cos, sin, q, out2,
+                                x.stride(0), x.stride(1), cos.stride(0), q.stride(0), q.stride(1),
+                                out2.stride(0), out2.stride(1), num_q, eps, *kv,
+                                NORM=norm, UNIT_OFFSET=unit_offset, D=D, **write)
     return q, k
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -111,25 +112,46 @@ if triton is not None:
     @triton.jit
     def _write_rows(src, dst, scale_dst, hm, QMAX: tl.constexpr, INT8: tl.constexpr):
         """One token's heads ``[H, D]``: copied, or (QMAX > 0) quantized as
-        ``cache.kv_quant.quantize`` does: a bfloat16 scale per head, codes
-        clamped to +-QMAX (INT8: rounded half to even; else e4m3, rounded by the cast)."""
+        ``cache.kv_quant.quantize`` does (`_kv_scale`, `_kv_codes`)."""
         m = hm[:, None]
         x = tl.load(src, mask=m, other=0.0)
         if QMAX == 0:
             tl.store(dst, x, mask=m)
         else:
             x = x.to(tl.float32)
-            scale = _to_bfloat16(tl.math.div_rn(tl.max(tl.abs(x), 1), QMAX))
-            scale = tl.where(scale > 0, scale, 1.0)
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
-            if INT8:
-                r = tl.floor(y + 0.5)
-                tie_to_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
-                codes = tl.where(tie_to_odd, r - 1.0, r)
-            else:
-                codes = y
-            tl.store(dst, codes.to(dst.dtype.element_ty), mask=m)
+            scale = _kv_scale(tl.max(tl.abs(x), 1), QMAX)
+            tl.store(dst, _kv_codes(x, scale[:, None], QMAX, INT8).to(dst.dtype.element_ty), mask=m)
             tl.store(scale_dst, scale.to(scale_dst.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def write_head(x, dst, scale_dst, QMAX: tl.constexpr, INT8: tl.constexpr):
+        """One head's ``[D]`` values ``x`` (in the pool's dtype when QMAX is 0)
+        stored at ``dst``, or quantized as `_write_rows` quantizes a head,
+        its scale at ``scale_dst``: a fused kernel's write of a key or value."""
+        if QMAX == 0:
+            tl.store(dst, x)
+        else:
+            x = x.to(tl.float32)
+            scale = _kv_scale(tl.max(tl.abs(x), 0), QMAX)
+            tl.store(dst, _kv_codes(x, scale, QMAX, INT8).to(dst.dtype.element_ty))
+            tl.store(scale_dst, scale.to(scale_dst.dtype.element_ty))
+
+    @triton.jit
+    def _kv_scale(amax, QMAX: tl.constexpr):
+        """A head's scale from its largest magnitude: bfloat16, 1 for an all-zero head."""
+        scale = _to_bfloat16(tl.math.div_rn(amax, QMAX))
+        return tl.where(scale > 0, scale, 1.0)
+
+    @triton.jit
+    def _kv_codes(x, scale, QMAX: tl.constexpr, INT8: tl.constexpr):
+        """float32 ``x`` over its head's ``scale``, clamped to +-QMAX (INT8:
+        rounded half to even; else left for the e4m3 cast to round)."""
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+        if INT8:
+            r = tl.floor(y + 0.5)
+            tie_to_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
+            return tl.where(tie_to_odd, r - 1.0, r)
+        return y
 
     @triton.jit
     def _splits_before(SeqLens, b, SPLIT: tl.constexpr, ROWS: tl.constexpr):
@@ -408,6 +430,19 @@ if triton is not None:
         return m_new, l_i, acc
 
 
+class KVTarget(NamedTuple):
+    """Where one layer's new keys and values go, for a kernel that writes
+    them itself (``fused.qk_norm_rope``): its pools, the step's slots (``[T]``,
+    negative: nothing), and for 8-bit pools their scales, format and QMAX."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    slots: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    fmt: str = "none"
+    qmax: float = 0.0
+
+
 def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None, *,
              fmt: str = "none", qmax: float = 0.0) -> None:
@@ -427,12 +462,12 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_p
     keys, values = _rows_flat(keys), _rows_flat(values)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, k_scale, v_scale, slot_mapping,
-                           keys.stride(0), values.stride(0), *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
+                           keys.stride(0), values.stride(0), *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
                            H=H, D=D, BS=k_pool.shape[1], H_PAD=triton.next_power_of_2(H),
                            QMAX=float(qmax if scales is not None else 0.0), INT8=fmt == "int8")
 
 
-def _scale_strides(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int]:
+def scale_strides(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int]:
     """The scales' element strides (keys' and values' scales are laid out alike)."""
     if scales is None:
         return (0, 0, 0)
@@ -559,7 +594,7 @@ def paged_decode(
         q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-        *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
+        *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), programs,
         **decode_constants(q.dtype, G, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
         num_warps=WARPS,
@@ -634,7 +669,7 @@ def paged_prefill(
     _prefill_kernel[grid](
         q, k_pool, v_pool, k_scale, v_scale, block_tables, query_start, seq_lens, out,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        *k_pool.stride(), *v_pool.stride(), *_scale_strides(scales),
+        *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), B, min_queries, **consts,
         num_warps=PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else WARPS,
     )

@@ -32,7 +32,7 @@ and a test against transformers on a tiny random config
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Callable, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, TypeVar
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,9 @@ from pagedlm.cache.spec import KVSpec
 from pagedlm.cache.step import StepBatch
 from pagedlm.models.layers import Embedding, Linear, RMSNorm, RoPE, fuse_projections, qk_norm_rope
 
+if TYPE_CHECKING:
+    from pagedlm.kernels.paged_attention import KVTarget
+
 
 class KVAccess(Protocol):
     """Where attention layers put a step's keys and values and attend over
@@ -48,6 +51,10 @@ class KVAccess(Protocol):
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, step: StepBatch) -> None:
         """``keys`` and ``values`` ``[T, KV, D]``: the step's new tokens."""
+
+    def write_target(self, layer: int, step: StepBatch) -> "KVTarget | None":
+        """Where the kernel that makes the layer's keys may store them and
+        the values itself (``kernels.fused.qk_norm_rope``), or None: `write` them."""
 
     def attend(self, layer: int, q: torch.Tensor, step: StepBatch, *, scale: float) -> torch.Tensor:
         """``q`` ``[T, H, D]`` -> ``[T, H, D]``, causal over each row's keys (and its window)."""
@@ -116,7 +123,8 @@ class DecoderArgs:
 
 class Attention(nn.Module):
     """One layer's self-attention: fused q/k/v, the per-head norm of q and k
-    (if ``qk_norm``) fused with RoPE, the store's write and attend, o_proj."""
+    (if ``qk_norm``) fused with RoPE and, on CUDA over pools the kernels
+    read, with the store's write; the store's attend, o_proj."""
 
     def __init__(self, args: DecoderArgs, layer: int):
         super().__init__()
@@ -137,8 +145,9 @@ class Attention(nn.Module):
                 step: StepBatch) -> torch.Tensor:
         T = x.shape[0]
         qk, v = self.qkv_proj(x).view(T, -1, self.head_dim).split((self.n_heads + self.n_kv_heads, self.n_kv_heads), 1)
-        q, k = qk_norm_rope(qk, self.n_heads, rope_rows, self.q_norm, self.k_norm)
-        kv.write(self.layer, k, v, step)
+        q, k = qk_norm_rope(qk, self.n_heads, rope_rows, self.q_norm, self.k_norm, v, kv.write_target(self.layer, step))
+        if k is not None:  # (else the kernel stored the keys and values)
+            kv.write(self.layer, k, v, step)
         out = kv.attend(self.layer, q, step, scale=self.scale)
         return self.o_proj(out.reshape(T, -1))
 

@@ -150,15 +150,17 @@ def apply_rope(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 def qk_norm_rope(qk: torch.Tensor, num_q: int, rows: tuple[torch.Tensor, torch.Tensor],
-                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None, v: torch.Tensor | None = None,
+                 target=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``apply_rope(norm(x), rows)`` of q and k (the per-head norms of Qwen3
     and Gemma 3, or none), whose heads ``qk`` ``[T, Hq + Hkv, D]`` holds in
     that order (``num_q`` of q): one kernel for both on CUDA
-    (``kernels.fused``), the ops above elsewhere."""
+    (``kernels.fused``), the ops above elsewhere. With a ``target``
+    (``KVAccess.write_target``) that kernel also stores k and the values
+    ``v`` in the pools, and k is None; elsewhere the caller writes them."""
     if fused.enabled(qk):
-        if q_norm is None:
-            return fused.qk_norm_rope(qk, num_q, *rows)
-        return fused.qk_norm_rope(qk, num_q, *rows, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
+        return fused.qk_norm_rope(qk, num_q, *rows, *norms, v=v, target=target)
     q, k = qk[:, :num_q], qk[:, num_q:]
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)

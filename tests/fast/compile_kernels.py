@@ -66,9 +66,12 @@ def cases():
                    {"X": bf16, "R": bf16, "W0": bf16, "W": bf16, "Out": bf16, "Sum": bf16},
                    dict(PRE=pre, ADD=add, NORM=norm, UNIT_OFFSET=unit, BLOCK=1024), 4)
     for norm in (False, True):
-        yield (f"norm_rope, norm={norm}", fused._norm_rope_kernel,
-               {n: bf16 for n in ("X", "W", "W2", "Cos", "Sin", "Out", "Out2")},
-               dict(NORM=norm, UNIT_OFFSET=False, D=128), 4)
+        for pool, fmt in ((None, "none"), ("*bf16", "none"), ("*i8", "int8"), ("*fp8e4nv", "fp8")):
+            tensors = {n: bf16 for n in ("X", "W", "W2", "Cos", "Sin", "Out", "Out2", "V", "KScale", "VScale")}
+            yield (f"norm_rope, norm={norm}, pools={pool and pool[1:]}", fused._norm_rope_kernel,
+                   {**tensors, "KPool": pool or bf16, "VPool": pool or bf16, "Slots": i64},
+                   dict(NORM=norm, UNIT_OFFSET=False, D=128, WRITE=pool is not None, BS=16,
+                        QMAX=127.0 if fmt != "none" else 0.0, INT8=fmt == "int8"), 4)
     yield ("act_mul", fused._act_mul_kernel, {"X": bf16, "Out": bf16}, dict(GELU=False, BLOCK=1024), 4)
 
 

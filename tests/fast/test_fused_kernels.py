@@ -164,3 +164,44 @@ def test_masked_logits_keeps_exactly_the_tokens_the_bits_allow():
     got = fused.masked_logits(logits.to(DEVICE), words.to(DEVICE)).cpu()
     assert torch.equal(got, want) and got[1, 40] == float("inf") and bool(torch.isinf(got).any(-1).all())
     assert 0.3 < float(torch.isfinite(got).float().mean()) < 0.7
+
+
+@pytest.mark.parametrize("fmt", ["none", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_norm_rope_stores_the_keys_and_values_write_kv_stores(fmt, dtype):
+    """With a target (a layer's pools and the step's slots) the launch also
+    stores k and v: the pools (8-bit codes and scales too, head-major for
+    the 8-bit formats) hold the bits `write_kv` stores for the k the launch
+    gives without one, q is the same, and a negative slot writes nothing."""
+    from pagedlm.cache import kv_quant as kvq
+    from pagedlm.cache.paged import PagedPools
+
+    T, Hq, Hkv, D, BS = 5, 4, 2, 64, 4
+    qkv = randn(T, Hq + 2 * Hkv, D, dtype=dtype, seed=7)
+    qk, v = qkv[:, : Hq + Hkv], qkv[:, Hq + Hkv :]
+    norms = tuple(torch.randn(D, generator=torch.Generator().manual_seed(s)).to(dtype).to(DEVICE) for s in (8, 9))
+    cos, sin = (t.to(DEVICE) for t in RoPE(D, 10000.0).rows(torch.tensor([0, 3, 17, 400, 401]), 401, dtype))
+    slots = torch.tensor([3, 9, -1, 0, 14], device=DEVICE)
+    want, got = (PagedPools([0], 4, BS, Hkv, D, dtype, DEVICE, kv_quant=fmt, fused=True) for _ in range(2))
+    q, k = fused.qk_norm_rope(qk, Hq, cos, sin, *norms, 1e-6, False)
+    want.write(0, k, v, slots)
+    q_too, none = fused.qk_norm_rope(qk, Hq, cos, sin, *norms, 1e-6, False, v=v, target=got.target(0, slots))
+    assert none is None and torch.equal(q_too, q)
+    pools = [(want.k[0], got.k[0]), (want.v[0], got.v[0])]
+    if fmt != "none":
+        assert got.orders == kvq.HEAD_MAJOR
+        pools += [(want.k_scale[0], got.k_scale[0]), (want.v_scale[0], got.v_scale[0])]
+    for a, b in pools:
+        assert torch.equal(kvq.as_bytes(a.contiguous()), kvq.as_bytes(b.contiguous()))
+    written = kvq.as_bytes(got.k[0][[0, 2, 0, 3], [3, 1, 0, 2]].contiguous()).reshape(4, -1)
+    assert bool((written != 0).any(-1).all())  # the four real slots hold keys
+
+
+def test_a_kv_target_needs_the_values():
+    from pagedlm.cache.paged import PagedPools
+
+    pools = PagedPools([0], 2, 4, 1, 64, torch.float32, DEVICE, fused=True)
+    x = randn(2, 3, 64, dtype=torch.float32)
+    cos = sin = torch.ones(2, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="needs values"):
+        fused.qk_norm_rope(x, 2, cos, sin, target=pools.target(0, torch.tensor([0, 1], device=DEVICE)))
