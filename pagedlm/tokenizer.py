@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+import tokenizers.decoders
 
 # Gemma's turn format, for files that carry no template (the Gemma 3 GGUF):
 # the system message is folded into the first user turn.
@@ -410,43 +411,48 @@ def _jinja_env():
 class IncrementalDetokenizer:
     """Streams text token by token, emitting only complete UTF-8 characters.
 
-    Decodes a window ``ids[prefix:]`` and emits what it adds beyond
-    ``ids[prefix:read]``; while the window's text ends in U+FFFD (a character
-    whose bytes have not all arrived, e.g. byte-fallback <0xE2>) nothing is
-    emitted. The window restarts after each emission, so a step costs
-    O(tokens since the last emission), not O(sequence). Starting the window
-    at the previous emission (not at ``read``) gives decoders that strip or
-    merge at a boundary the same context in both decodes.
+    tokenizers' own ``DecodeStream`` does the work, one call into Rust a
+    token (2.2-2.9 us against 7.7-8.1 for two decodes of a window in
+    Python, SmolLM2's and Gemma 3's tokenizers, the same text): it decodes
+    a window of the ids since its last emission and holds back a character
+    whose bytes have not all arrived (e.g. byte-fallback <0xE2>). With
+    ``skip_special_tokens`` the ids `Tokenizer.decode` drops
+    (`Tokenizer.special_token_ids`) are never stepped. `finalize` emits
+    what is still held back, its incomplete bytes as U+FFFD.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
-        self._prefix = 0  # window start
-        self._read = 0  # ids before this are emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        self._emitted = 0  # characters emitted so far
+        self._held = False  # ids stepped since the last emission
 
     def add_token(self, token_id: int) -> str:
         """The newly completed text (possibly "")."""
-        self.ids.append(int(token_id))
-        return self._advance(final=False)
+        token_id = int(token_id)
+        self.ids.append(token_id)
+        if self._skip and token_id in self._tokenizer.special_token_ids:
+            return ""
+        piece = self._stream.step(self._tokenizer._tk, token_id)
+        self._held = not piece
+        if not piece:
+            return ""
+        self._emitted += len(piece)
+        return piece
 
     def finalize(self) -> str:
-        """Whatever is still held back (incomplete bytes decode as U+FFFD)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        before = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+        """Whatever is still held back (incomplete bytes decode as U+FFFD):
+        the whole output decoded once, less what was emitted."""
+        if not self._held:
             return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(before) :]
+        self._held = False
+        rest = self.text[self._emitted :]
+        self._emitted += len(rest)
+        return rest
 
     @property
     def text(self) -> str:
         """Everything decoded so far, held-back bytes included."""
-        return self._decode(self.ids)
+        return self._tokenizer.decode(self.ids, skip_special_tokens=self._skip)

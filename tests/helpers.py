@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from pagedlm.models import build_model
 from pagedlm.options import EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
-from pagedlm.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedlm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from subprocess import Popen
@@ -109,8 +109,21 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i in self.special_token_ids))
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True) -> "CharDetokenizer":
+        return CharDetokenizer(self, skip_special_tokens)
+
+
+class CharDetokenizer:
+    """`CharTokenizer`'s streaming decode: a character a token, nothing held back."""
+
+    def __init__(self, tokenizer: CharTokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+
+    def add_token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=self._skip)
+
+    def finalize(self) -> str:
+        return ""
 
 
 CHATML = (  # SmolLM2's template, without its default system turn

@@ -97,18 +97,36 @@ def test_streamed_text_is_always_a_prefix_of_the_full_decode(text):
         assert out + detok.finalize() == full
 
 
-def test_detokenizer_step_cost_does_not_grow_with_sequence_length():
-    """Each step decodes only the window since the last emission."""
+def test_detokenizer_decodes_nothing_in_python_a_step():
+    """Each step is one call into tokenizers' DecodeStream (which decodes
+    only the window since its last emission); `Tokenizer.decode` runs only
+    in a `finalize` that has bytes held back."""
     calls = []
-    tok = BYTE_LEVEL
+    tok = SPM
     original = tok.decode
     tok.decode = lambda ids, **kw: (calls.append(len(ids)), original(ids, **kw))[1]
     try:
         ids = tok.encode("hello world " * 200, add_special_tokens=False)
-        stream(tok, ids)
+        assert "".join(stream(tok, ids)) == original(ids)
+        assert calls == []
+        detok = tok.detokenizer()
+        detok.add_token(tok.token_to_id("a"))
+        detok.add_token(tok.token_to_id("<0xE2>"))
+        assert detok.finalize() == "\ufffd" and calls == [2]
     finally:
         del tok.decode
-    assert max(calls) <= 4
+
+
+def test_special_tokens_are_skipped_or_kept_as_decode_does():
+    """The ids `decode` drops when skipping (the tokenizer's specials, and
+    `special_token_ids` beyond them) add nothing to the stream; kept, they
+    stream as `decode` writes them."""
+    tok = SPM
+    ids = [tok.token_to_id("<bos>")] + tok.encode("hi there", add_special_tokens=False) + [tok.token_to_id("<eos>")]
+    for skip in (True, False):
+        detok = tok.detokenizer(skip)
+        assert "".join(detok.add_token(i) for i in ids) + detok.finalize() == tok.decode(ids, skip_special_tokens=skip)
+    assert "<eos>" in tok.decode(ids, skip_special_tokens=False) and "<eos>" not in tok.decode(ids)
 
 
 # ---------------------------------------------------------------- BOS / EOS
