@@ -412,8 +412,9 @@ class IncrementalDetokenizer:
     """Streams text token by token, emitting only complete UTF-8 characters.
 
     tokenizers' own ``DecodeStream`` does the work, one call into Rust a
-    token (2.2-2.9 us against 7.7-8.1 for two decodes of a window in
-    Python, SmolLM2's and Gemma 3's tokenizers, the same text): it decodes
+    token (1.6-2.8 us against 4.4-7.8 for two decodes of a window from
+    Python, SmolLM2's and Gemma 3's tokenizers, the same text on 206
+    sequences: ``benchmarks/detokenize.py``, 2026-12-06): it decodes
     a window of the ids since its last emission and holds back a character
     whose bytes have not all arrived (e.g. byte-fallback <0xE2>). With
     ``skip_special_tokens`` the ids `Tokenizer.decode` drops
