@@ -330,8 +330,9 @@ class LLMEngine:
         CUDA) it then leaves its pick to the next step, its rows' masks
         filling in the background meanwhile (from the moment the landed
         tokens have advanced the grammars, before the answers for them are
-        made): the next step schedules and prepares, picks (the fill overlapped that host work and the device's
-        forward pass), then launches. Without it the masks are filled and
+        made): the next step schedules and prepares, picks (the fill
+        overlapped that host work and the device's forward pass), then
+        launches. Without it the masks are filled and
         the pick launched in the step. The tokens are the same either way."""
         inflight, self._inflight = self._inflight, None
         dead: list[GenerationResponse] = []  # rows of a deferred pick whose grammar allowed nothing

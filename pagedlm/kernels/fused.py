@@ -73,7 +73,8 @@ if triton is not None:
     def _norm_rope_kernel(X, W, W2, Cos, Sin, Out, Out2, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
                           stride_o2t, stride_o2h, heads_first, eps,
                           V, KPool, VPool, KScale, VScale, Slots, stride_vt, stride_vh, kv_heads,
-                          sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
+                          sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim,
+                          ss_block, ss_tok, ss_head,
                           NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, D: tl.constexpr, WRITE: tl.constexpr,
                           BS: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
         """Heads below ``heads_first`` (q) take W and go to Out, the next
