@@ -5,9 +5,9 @@ the bench's own rows:
 - ``fill_rows_ms``: `structured.matcher._fill_live` calls (llguidance's
   fill) by thread (the step's own, or the background prefetch: of a
   synchronous step, or of an async step whose pick it defers) and live row
-  count: how many, and their median ms; ``PREFETCH=0`` or ``1`` in the
-  environment turns the engine's ``prefetch_masks`` (on by default on
-  CUDA), and so the deferred pick, off or on;
+  count: how many, and their median ms; ``PREFETCH=0`` in the environment
+  turns the engine's ``prefetch_masks`` (on by default on CUDA), and so
+  the deferred pick, off;
 - ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
   grammar rows (perf_counter around each engine call named: how many a
   step, median ms a call; ``step`` is the whole engine step);
@@ -47,8 +47,8 @@ _step, _fill_live = engine_module.LLMEngine.step, getattr(matcher_module, "_fill
 
 
 def step(self):
-    if os.environ.get("PREFETCH") in ("0", "1"):
-        self.prefetch_masks = os.environ["PREFETCH"] == "1"
+    if os.environ.get("PREFETCH") == "0":
+        self.prefetch_masks = False
     in_grammar_step[0] = any(seq.matcher is not None for seq in self.scheduler.running)
     if os.environ.get("TRACE") and in_grammar_step[0] and len(self.scheduler.running) == 64:
         trace(counts.setdefault("traced", 0))

@@ -328,11 +328,9 @@ class LLMEngine:
         rows lands its predecessor before it picks (their masks need that
         token), after launching its forward pass; with ``prefetch_masks`` (on
         CUDA) it then leaves its pick to the next step, its rows' masks
-        filling in the background meanwhile (from the moment the landed
-        tokens have advanced the grammars, before the answers for them are
-        made): the next step schedules and prepares, picks (the fill
-        overlapped that host work and the device's forward pass), then
-        launches. Without it the masks are filled and
+        filling in the background meanwhile: the next step schedules and
+        prepares, picks (the fill overlapped that host work and the device's
+        forward pass), then launches. Without it the masks are filled and
         the pick launched in the step. The tokens are the same either way."""
         inflight, self._inflight = self._inflight, None
         dead: list[GenerationResponse] = []  # rows of a deferred pick whose grammar allowed nothing
@@ -374,15 +372,15 @@ class LLMEngine:
             # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
             grammar = [seq for seq in sampled if seq.matcher is not None]
             land_first = not overlap or bool(grammar)
-            deferred = overlap and bool(grammar) and self.prefetch_masks  # the pick waits for a background fill
             if inflight is not None and land_first:
-                outputs += self._land(inflight, current, grammar if deferred else [])
-            elif deferred:
-                self._fill_ahead(grammar)
+                outputs += self._land(inflight, current)
             if overlap:
-                if deferred:
+                if grammar and self.prefetch_masks:  # the pick waits for masks filled in the background
+                    from pagedlm.structured.matcher import prefetch_bitmasks
+
                     launched = InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, None, None,
                                         logits=logits)
+                    prefetch_bitmasks([seq.matcher for seq in grammar if not seq.is_finished], pinned=logits.is_cuda)
                 elif sampled:
                     launched, ended = self._launch(logits, sampled)
                     outputs += self._end(ended, current)
@@ -394,17 +392,12 @@ class LLMEngine:
                 emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
                 outputs += self._settle(rows, sampled, emitted, first, logits)
         if self._grammars is not None and self.prefetch_masks and self._inflight is None:
-            self._fill_ahead([seq for seq in self.scheduler.running if seq.matcher is not None
-                              and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1])
+            from pagedlm.structured.matcher import prefetch_bitmasks
+
+            prefetch_bitmasks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
+                               and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1],
+                              pinned=self.device.type == "cuda")
         return outputs
-
-    def _fill_ahead(self, seqs: list[Sequence]) -> None:
-        """Start filling the masks of grammar rows ``seqs`` in the background
-        (`prefetch_bitmasks`), but of none whose output ended at its last token."""
-        from pagedlm.structured.matcher import prefetch_bitmasks
-
-        prefetch_bitmasks([seq.matcher for seq in seqs if not seq.is_finished and seq.matcher.ended is None],
-                          pinned=self.device.type == "cuda")
 
     def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
         """The step may be left in flight: its tokens are picked on the device
@@ -470,29 +463,18 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.output_ids.append(PENDING)
 
-    def _land(self, inflight: InFlight, current: dict[Sequence, int],
-              fill: list[Sequence] = ()) -> list[GenerationResponse]:
-        """Read an in-flight step's tokens, advance its grammar rows by them
-        (all at once: `advance_rows`), start the background fill of the
-        masks of grammar rows ``fill`` (`_fill_ahead`: the step launched
-        since, its pick deferred; the fill then overlaps the answers), answer
-        for the tokens and end the sequences they end (`_end`; ``current``:
-        the step launched since, a row per sequence)."""
+    def _land(self, inflight: InFlight, current: dict[Sequence, int]) -> list[GenerationResponse]:
+        """Read an in-flight step's tokens, answer for them and end the
+        sequences they end (`_end`; ``current``: the step launched since, a
+        row per sequence)."""
         if inflight.ready is not None:
             inflight.ready.synchronize()
-        landed = [(seq, token) for seq, token in zip(inflight.sampled, inflight.host.tolist())
-                  if not seq.is_finished]  # (one aborted since is skipped)
-        grammar = [(seq.matcher, token) for seq, token in landed if seq.matcher is not None]
-        if grammar:
-            from pagedlm.structured.matcher import advance_rows
-
-            advance_rows(*map(list, zip(*grammar)))
-        if fill:
-            self._fill_ahead(fill)
         outputs = []
-        for seq, token in landed:
+        for seq, token in zip(inflight.sampled, inflight.host.tolist()):
+            if seq.is_finished:  # aborted since
+                continue
             seq.output_ids.pop()  # PENDING
-            outputs.append(self._append(seq, token, None, advanced=True))
+            outputs.append(self._append(seq, token, None))
         return self._end(outputs, current)
 
     def _end(self, outputs: list[GenerationResponse], current: dict[Sequence, int]) -> list[GenerationResponse]:
@@ -634,11 +616,9 @@ class LLMEngine:
         seq.prompt_logprobs += logprobs_of(logits, targets, seq.params.prompt_logprobs)
         seq.prompt_logprob_ranks += ranks_of(logits, targets)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                advanced: bool = False) -> GenerationResponse:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> GenerationResponse:
         """Add ``token`` to ``seq``; decide whether it ends it (the step ends
-        it, after committing its blocks); the text it completes. ``advanced``:
-        its grammar has taken ``token`` already (`advance_rows`)."""
+        it, after committing its blocks); the text it completes."""
         first = seq.first_token_at is None
         if first:
             seq.first_token_at = time.perf_counter()
@@ -657,9 +637,9 @@ class LLMEngine:
             text, hit = seq.stops.feed(piece) if stopping else (piece, None)
             if hit is not None:
                 finish, seq.stop_reason = "stop", hit
-            elif seq.matcher is not None and self._grammar_ends(seq, token, advanced):
+            elif seq.matcher is not None and self._grammar_ends(seq, token):
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
-                finish = seq.matcher.ended
+                finish = "error" if seq.matcher.is_dead else "stop"
             elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
                 finish = "length"
@@ -669,12 +649,11 @@ class LLMEngine:
         return self._response(seq, text, token, logprob, finish, first)
 
     @staticmethod
-    def _grammar_ends(seq: Sequence, token: int, advanced: bool) -> bool:
-        """Advance ``seq``'s grammar by ``token`` (unless ``advanced``): does
-        the output end here (complete, or dead: a token it refuses)?"""
-        if not advanced:
-            seq.matcher.advance(token)
-        return seq.matcher.ended is not None
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """Advance ``seq``'s grammar by ``token``: does the output end here
+        (complete, or dead: a token it refuses)?"""
+        seq.matcher.advance(token)
+        return seq.matcher.is_finished or seq.matcher.is_dead
 
     def _end_without_token(self, seq: Sequence, reason: str) -> GenerationResponse:
         """``seq`` ends with nothing sampled (its grammar allows no token): the text held back is emitted."""

@@ -42,7 +42,6 @@ class RowMatcher:
         self.label = label  # names the row in the log (a request id)
         self.error: str | None = None  # why the row is dead
         self.version = 0  # tokens advanced less tokens rolled back: names the state a mask is for
-        self.ended: str | None = None  # after the last advance: "stop" (complete), "error" (dead) or None
         self._prefetched: tuple[int, Future, int] | None = None  # (version, the fill's future, its row)
 
     def ready(self) -> bool:
@@ -90,8 +89,14 @@ class RowMatcher:
 
     def advance(self, token: int) -> None:
         """The row's sampled ``token`` is part of the output; a token the
-        grammar refuses kills the row. Then `ended` says whether the output ends here."""
-        advance_rows([self], [token])
+        grammar refuses kills the row."""
+        self._settle()
+        matcher = self._live()
+        if matcher is None:
+            raise RuntimeError(f"advance on a dead row ({self.error})")
+        self.version += 1
+        if not matcher.consume_token(token):
+            self.fail(f"token {token} is outside the grammar: {one_line(matcher.get_error())}")
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` advanced tokens (a rejected speculation)."""
@@ -100,7 +105,6 @@ class RowMatcher:
         if matcher is None or not matcher.rollback(n):
             raise ValueError(f"cannot roll back {n} tokens ({self.error or one_line(matcher.get_error())})")
         self.version -= n
-        self.ended = None  # (a state that was advanced from: neither complete nor dead)
 
     @property
     def is_finished(self) -> bool:
@@ -220,33 +224,6 @@ def hand_off_the_gil_quickly() -> None:
     3.1 ms with 0.1 ms (alone: 1.8-2.4).
     Process-wide (Python has no other knob); never raises the interval."""
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
-
-
-def advance_rows(matchers: list[RowMatcher], tokens: list[int]) -> None:
-    """Advance each of ``matchers`` by its row's sampled token (`RowMatcher.advance`),
-    all in one call into llguidance when there are several (`_by_lane`'s
-    executor: the lanes in parallel, the GIL dropped once; 64 rows one by one
-    took 0.38 ms here); then each one's `RowMatcher.ended`, read before
-    anything else may use the matchers (a background fill)."""
-    if _pending is not None:  # one call at a time on the executors
-        _pending.result()
-    for m in matchers:
-        m._settle()
-        if m._live() is None:
-            raise RuntimeError(f"advance on a dead row ({m.error})")
-    if len(matchers) == 1:
-        order, consumed = [0], [matchers[0]._matcher.consume_token(tokens[0])]
-    else:
-        executor, live = _by_lane(matchers, range(len(matchers)))
-        order = [j for _, j in live]
-        consumed = executor.consume_token_par([(m, tokens[j]) for m, j in live])
-    for j, ok in zip(order, consumed):
-        matchers[j].version += 1
-        if not ok:
-            matchers[j].fail(f"token {tokens[j]} is outside the grammar: "
-                             f"{one_line(matchers[j]._matcher.get_error())}")
-    for m in matchers:
-        m.ended = "stop" if m.is_finished else "error" if m.is_dead else None
 
 
 def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False) -> None:

@@ -449,12 +449,10 @@ def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
     """A grammar compiled in three lanes (rows copy the compiles in turn and
     an executor of a thread a lane fills them) gives every row the bits
     that rows of one compile get, step after step, rows of two constraints
-    and a dead row among them, and each row's own `fill` agrees; the lanes'
-    rows advance together (`advance_rows`, grouped by lane), the others one
-    by one."""
+    and a dead row among them, and each row's own `fill` agrees."""
     import numpy as np
 
-    from pagedlm.structured.matcher import advance_rows, fill_bitmask
+    from pagedlm.structured.matcher import fill_bitmask
 
     tokenizer, one = setup
     three = GrammarCompiler(tokenizer, one.vocab_size, lanes=3)
@@ -472,50 +470,16 @@ def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
         for j, m in enumerate(rows[three]):
             own = torch.zeros_like(got[three][0][j])
             assert m.fill(own) == got[three][1][j] and torch.equal(own, got[three][0][j])
-        moved = {}
         for j, live in enumerate(got[one][1]):
             if step == 5 and j == 3:  # one row dies (in both): its lane's other rows go on
                 for c in rows:
                     rows[c][j].fail("test")
             elif live and not rows[one][j].is_finished:
                 bits = np.unpackbits(got[one][0][j].numpy().view(np.uint8), bitorder="little")
-                moved[j] = int(rng.choice(np.flatnonzero(bits)))
-                rows[one][j].advance(moved[j])
-        advance_rows([rows[three][j] for j in moved], list(moved.values()))
-        assert [m.ended for m in rows[three]] == [m.ended for m in rows[one]]
+                token = int(rng.choice(np.flatnonzero(bits)))
+                for c in rows:
+                    rows[c][j].advance(token)
     assert not got[three][1][3] and any(got[three][1])
-
-
-def test_rows_advanced_together_end_as_each_alone(setup, caplog):
-    """`advance_rows` over rows of three lanes: each row takes its own token,
-    and ends as it would alone: complete ("stop"), dead on a token its
-    grammar refuses ("error", logged), or going on (None)."""
-    from pagedlm.structured.matcher import advance_rows
-
-    tokenizer, _ = setup
-    three = GrammarCompiler(tokenizer, setup[1].vocab_size, lanes=3)
-    words = ["yes", "no", "zyxwvutsrqponm"]
-    matchers = [three.matcher(Constraint(choice=words).validate(), label=str(i)) for i in range(6)]
-    for m in matchers:
-        wait_ready_matcher(m)
-    caplog.set_level(logging.WARNING, logger="pagedlm.structured")
-    ids = [tokenizer.encode(w, add_special_tokens=False) for w in words]
-    complete = next(i for i in range(2) if len(ids[i]) == 1)  # a word of one token
-    assert len(ids[2]) > 2
-    refused = tokenizer.encode(" table", add_special_tokens=False)[0]
-    tokens = [ids[complete][0], refused, ids[2][0], ids[complete][0], ids[2][0], refused]
-    advance_rows(matchers, tokens)
-    assert [m.ended for m in matchers] == ["stop", "error", None, "stop", None, "error"]
-    assert [m.lane for m in matchers] == [0, 1, 2, 0, 1, 2] and [m.version for m in matchers] == [1] * 6
-    assert all("outside the grammar" in matchers[j].error for j in (1, 5))
-    assert len([r for r in caplog.records if "dead-ends" in r.getMessage()]) == 2
-    for t in ids[2][1:-1]:
-        advance_rows([matchers[2], matchers[4]], [t, t])
-        assert (matchers[2].ended, matchers[4].ended) == (None, None)
-    advance_rows([matchers[4]], [ids[2][-1]])  # one row: its own call
-    assert (matchers[4].ended, matchers[4].is_finished, matchers[2].ended) == ("stop", True, None)
-    with pytest.raises(RuntimeError, match="dead row"):
-        advance_rows(matchers[:2], tokens[:2])
 
 
 def wait_ready(seq: Sequence) -> None:
