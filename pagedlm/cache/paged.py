@@ -94,9 +94,9 @@ class PagedPools:
         """Store ``[T, H_kv, D]`` keys/values at ``slot_mapping`` ``[T]``: one
         launch for both when ``fused``, else one indexed copy each (quantized
         first, and their scales copied beside them, with ``kv_quant``)."""
-        if self.fused:
-            write_kv(keys, values, self.k[layer], self.v[layer], slot_mapping, self.scales(layer),
-                     fmt=self.kv_quant, qmax=kvq.QMAX.get(self.kv_quant, 0.0))
+        if self.fused:  # (on CUDA the model's norm + RoPE launch writes them instead: `target`)
+            t = self.target(layer, slot_mapping)
+            write_kv(keys, values, t.k_pool, t.v_pool, t.slots, t.scales, fmt=t.fmt, qmax=t.qmax)
             return
         self._put(self.k[layer], self.k_scale.get(layer), keys, slot_mapping)
         self._put(self.v[layer], self.v_scale.get(layer), values, slot_mapping)

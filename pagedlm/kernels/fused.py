@@ -219,7 +219,7 @@ def qk_norm_rope(x: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tens
     k = None if target is not None else torch.empty((T, H - num_q, D), dtype=x.dtype, device=x.device)
     if T:
         norm = q_weight is not None
-        out2 = q if k is None else k
+        out2 = q if k is None else k  # (a target's launch stores no k: any tensor fills the slot)
         if target is not None:
             if v is None or v.shape != (T, H - num_q, D) or v.stride(2) != 1:
                 raise ValueError(f"qk_norm_rope: a target needs values [{T}, {H - num_q}, {D}], D contiguous")
