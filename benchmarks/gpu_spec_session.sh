@@ -21,8 +21,9 @@
 #           the 256-prompt workload's steps mid-run (--kernels), bf16 then fp8 KV
 #   sweep   benchmarks/gpu_fast.py, the decode kernel alone on the Qwen3-0.6B shape at SWEEP_CASES, one process per
 #           --set variant of SWEEP_SETS ("-": as is; NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
-#   trees   batch-1 decode (AB_SHAPE, gemma3-270m) of this tree ($NOW) against BASE (a `git archive` of another
-#           commit), interleaved, ROUNDS rounds
+#   trees   batch-1 decode (AB_SHAPE, gemma3-270m; several shapes: each) of this tree ($NOW) against BASE (a
+#           `git archive` of another commit), interleaved, ROUNDS rounds
+#   gemv    benchmarks/gemv_sweep.py: the few-row product kernel against cuBLAS, decode shapes (GEMV_ARGS: its flags)
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
 # of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).
@@ -115,13 +116,17 @@ if has sweep; then
   done
 fi
 if has trees; then
-  for round in $(seq "${ROUNDS:-2}"); do
+  for round in $(seq "${ROUNDS:-2}"); do for shape in ${AB_SHAPE:-gemma3-270m}; do
     for tree in "$NOW" "${BASE:?trees: BASE names the other tree}"; do
       (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pagedlm.cli bench decode --random-weights \
-        --model benchmarks/configs/${AB_SHAPE:-gemma3-270m} --device cuda --prompt-len 512 --gen-len 128 --repeats 3 \
-        --json) 2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree] |" | tee -a "$OUT/trees.txt" | cut -c1-300
+        --model benchmarks/configs/$shape --device cuda --prompt-len 512 --gen-len 128 --repeats 3 \
+        --json) 2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree $shape] |" | tee -a "$OUT/trees.txt" | cut -c1-300
     done
-  done
+  done; done
+fi
+if has gemv; then
+  (cd "$NOW" && PYTHONPATH=. timeout "${GEMV_TIMEOUT:-240}" python3 benchmarks/gemv_sweep.py ${GEMV_ARGS:---quick}) \
+    2>>"$OUT/bench.err" | tee "$OUT/gemv.jsonl" | grep -v '^{'
 fi
 if has workload; then
   for quant in none fp8; do

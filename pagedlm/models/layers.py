@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pagedlm.kernels import cpu, fused
+from pagedlm.kernels import cpu, fused, gemv
 from pagedlm.kernels.quant import QuantizedWeight
 
 
@@ -238,6 +238,8 @@ class Linear(_DeviceLayout, _Quantizable, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(x, self.bias)
+        if gemv.usable(x, self.weight):
+            return gemv.linear(x, self.weight, self.bias)
         return cpu.linear(x, self.weight, self.bias)
 
 
@@ -262,6 +264,8 @@ class Embedding(_DeviceLayout, _Quantizable, nn.Embedding):
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(x)
+        if gemv.usable(x, self.weight):
+            return gemv.linear(x, self.weight)
         return cpu.linear(x, self.weight)
 
 
@@ -318,6 +322,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if gemv.usable(gate_up, self.down_proj.weight):  # the activation inside the product (few rows, CUDA)
+            return gemv.linear(gate_up, self.down_proj.weight, self.down_proj.bias, act=self.activation)
         if fused.enabled(gate_up) and gate_up.dim() == 2:
             return self.down_proj(fused.act_mul(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)

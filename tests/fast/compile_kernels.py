@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedlm.kernels import fused
+from pagedlm.kernels import fused, gemv
 from pagedlm.kernels import paged_attention as pa
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -73,6 +73,13 @@ def cases():
                    dict(NORM=norm, UNIT_OFFSET=False, D=128, WRITE=pool is not None, BS=16,
                         QMAX=127.0 if fmt != "none" else 0.0, INT8=fmt == "int8"), 4)
     yield ("act_mul", fused._act_mul_kernel, {"X": bf16, "Out": bf16}, dict(GELU=False, BLOCK=1024), 4)
+    for dtype, act, bias, even in (("bf16", 0, False, True), ("bf16", 1, True, False), ("bf16", 2, False, True),
+                                   ("fp32", 0, True, True)):
+        block_n, block_k, warps, _ = gemv.config(4096, 1024)
+        yield (f"gemv, {dtype}, act={act}, bias={bias}, even={even}", gemv._gemv_kernel,
+               {n: f"*{dtype}" for n in ("X", "W", "B", "Out")},
+               dict(ACT=act, HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, IEEE=dtype == "fp32"),
+               warps)
 
 
 def main() -> int:

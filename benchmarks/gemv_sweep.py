@@ -1,0 +1,142 @@
+"""The few-row product kernel (``kernels.gemv``) against cuBLAS (``F.linear``)
+on the decode shapes of the three benchmark models, and over a grid of tile
+sizes, so that ``gemv.config`` can be chosen from measurements.
+
+Each product is timed as a decode step runs it: inside a CUDA graph, back
+to back over enough copies of its weight that they cannot stay in L2 (200
+MB or more in all), so every weight streams from memory. A one-row kernel
+of another shape (elementwise products summed per column, no tensor
+cores: ``_rowsum_kernel``, here only) is timed beside it at M = 1.
+
+Usage (a CUDA machine): PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--quick] [--rows 1 8 16]
+Prints one JSON line per (shape, rows, kernel, tiles) and a table of the best tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pagedlm.kernels import gemv
+
+SHAPES = {  # model: (name, N, K) of each product a decode step runs
+    "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
+                   ("head", 151936, 1024)],
+    "gemma3-270m": [("qkv", 1536, 640), ("o", 640, 1024), ("gate_up", 4096, 640), ("down", 640, 2048),
+                    ("head", 262144, 640)],
+    "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                     ("head", 128256, 4096)],
+}
+
+
+@triton.jit
+def _rowsum_kernel(X, W, Out, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(W + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                    other=0.0)
+        x = tl.load(X + k, mask=k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(Out + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=n < N)
+
+
+def graph_time(fn, copies: int, replays: int = 20) -> float:
+    """Microseconds a call of ``fn(i)`` (i over the copies) inside one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * copies))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--quick", action="store_true", help="a smaller grid of tiles")
+    ap.add_argument("--models", nargs="+", default=list(SHAPES))
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_us = graph_time(lambda i: big[: 1 << 29].copy_(big[1 << 29:]), 4, 5)
+    print(json.dumps({"copy_GBps": round(2 * (1 << 29) / copy_us / 1e3, 1), "device": torch.cuda.get_device_name()}))
+    del big
+    block_ns = (16, 32, 64) if a.quick else (16, 32, 64, 128)
+    block_ks = (128, 256, 512) if a.quick else (64, 128, 256, 512)
+    grid = list(itertools.product(block_ns, block_ks, (4, 8), (2, 3, 4) if not a.quick else (3, 4)))
+    best_rows = []
+    for model in a.models:
+        for name, n, k in SHAPES[model]:
+            nbytes = n * k * 2
+            copies = max(2, min(64, -(-(200 << 20) // nbytes)))
+            ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+            for rows in a.rows:
+                x = torch.randn(rows, k, device="cuda", dtype=dtype)
+                out = torch.empty(rows, n, device="cuda", dtype=dtype)
+                res = {"model": model, "product": name, "N": n, "K": k, "rows": rows, "MB": round(nbytes / 2**20, 1)}
+                cublas = graph_time(lambda i: torch.mm(x, ws[i].T, out=out), copies)
+                default = graph_time(lambda i: gemv.launch(x, ws[i], None, out, None, *gemv.config(n, k)), copies)
+                ref = F.linear(x, ws[0]).float()
+                gemv.launch(x, ws[0], None, out, None, *gemv.config(n, k))
+                err = (out.float() - ref).abs().max().item()
+                tried = []
+                for bn, bk, warps, stages in grid:
+                    if bk > max(16, triton.next_power_of_2(k)):
+                        continue
+                    try:
+                        us = graph_time(lambda i: gemv.launch(x, ws[i], None, out, None, bn, bk, warps, stages), copies)
+                    except Exception as e:  # out of shared memory, say
+                        print(json.dumps({**res, "tiles": [bn, bk, warps, stages], "error": str(e)[:120]}))
+                        continue
+                    tried.append((us, (bn, bk, warps, stages)))
+                if rows == 1:
+                    for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)):
+                        if bk > max(16, triton.next_power_of_2(k)):
+                            continue
+                        us = graph_time(lambda i: _rowsum_kernel[(triton.cdiv(n, bn),)](
+                            x, ws[i], out, n, k, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps), copies)
+                        tried.append((us, ("rowsum", bn, bk, warps)))
+                tried.sort()
+                best_us, best = tried[0]
+                line = {**res, "cublas_us": round(cublas, 2), "gemv_us": round(default, 2),
+                        "gemv_tiles": list(gemv.config(n, k)), "gemv_max_err": err,
+                        "best_us": round(best_us, 2), "best_tiles": list(best),
+                        "top5": [[round(u, 2), list(t)] for u, t in tried[:5]],
+                        "cublas_GBps": round(nbytes / cublas / 1e3, 1), "best_GBps": round(nbytes / best_us / 1e3, 1)}
+                print(json.dumps(line), flush=True)
+                best_rows.append(line)
+            del ws
+    print(f"{'model':13} {'product':8} {'rows':>4} {'MB':>7} {'cuBLAS us':>9} {'gemv us':>8} {'best us':>8}  best tiles")
+    for r in best_rows:
+        print(f"{r['model']:13} {r['product']:8} {r['rows']:4} {r['MB']:7} {r['cublas_us']:9} {r['gemv_us']:8} "
+              f"{r['best_us']:8}  {r['best_tiles']}")
+
+
+if __name__ == "__main__":
+    main()
