@@ -8,7 +8,10 @@ MB or more in all), so every weight streams from memory. A one-row kernel
 of another shape (elementwise products summed per column, no tensor
 cores: ``_rowsum_kernel``, here only) is timed beside it at M = 1.
 
-Usage (a CUDA machine): PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--quick] [--rows 1 8 16]
+Each gate/up product is also timed with its activation: cuBLAS then
+``fused.act_mul`` against the kernel with the activation inside.
+
+Usage (a CUDA machine): PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--grid | --quick] [--rows 1 8 16]
 Prints one JSON line per (shape, rows, kernel, tiles) and a table of the best tiles.
 """
 
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlm.kernels import gemv
+from pagedlm.kernels import fused, gemv
 
 SHAPES = {  # model: (name, N, K) of each product a decode step runs
     "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
@@ -78,7 +81,8 @@ def graph_time(fn, copies: int, replays: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--quick", action="store_true", help="a smaller grid of tiles")
+    ap.add_argument("--grid", action="store_true", help="also try a grid of tiles")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid of tiles (with --grid)")
     ap.add_argument("--models", nargs="+", default=list(SHAPES))
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -100,13 +104,21 @@ def main() -> None:
                 x = torch.randn(rows, k, device="cuda", dtype=dtype)
                 out = torch.empty(rows, n, device="cuda", dtype=dtype)
                 res = {"model": model, "product": name, "N": n, "K": k, "rows": rows, "MB": round(nbytes / 2**20, 1)}
+                tiles = gemv.config(n, k, rows, dtype)
                 cublas = graph_time(lambda i: torch.mm(x, ws[i].T, out=out), copies)
-                default = graph_time(lambda i: gemv.launch(x, ws[i], None, out, None, *gemv.config(n, k)), copies)
+                default = graph_time(lambda i: gemv.launch(x, ws[i], None, out, None, *tiles), copies)
                 ref = F.linear(x, ws[0]).float()
-                gemv.launch(x, ws[0], None, out, None, *gemv.config(n, k))
+                gemv.launch(x, ws[0], None, out, None, *tiles)
                 err = (out.float() - ref).abs().max().item()
-                tried = []
-                for bn, bk, warps, stages in grid:
+                if name == "gate_up":
+                    act = "gelu_pytorch_tanh" if model.startswith("gemma") else "silu"
+                    half = out[:, : n // 2]
+                    res["cublas_act_us"] = round(graph_time(
+                        lambda i: fused.act_mul(torch.mm(x, ws[i].T, out=out), act), copies), 2)
+                    res["gemv_act_us"] = round(graph_time(lambda i: gemv.launch(
+                        x, ws[i], None, half, act, *gemv.config(n // 2, k, rows, dtype)), copies), 2)
+                tried = [(default, tiles)]
+                for bn, bk, warps, stages in grid if a.grid else []:
                     if bk > max(16, triton.next_power_of_2(k)):
                         continue
                     try:
@@ -115,7 +127,7 @@ def main() -> None:
                         print(json.dumps({**res, "tiles": [bn, bk, warps, stages], "error": str(e)[:120]}))
                         continue
                     tried.append((us, (bn, bk, warps, stages)))
-                if rows == 1:
+                if rows == 1 and a.grid:
                     for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)):
                         if bk > max(16, triton.next_power_of_2(k)):
                             continue
@@ -125,17 +137,18 @@ def main() -> None:
                 tried.sort()
                 best_us, best = tried[0]
                 line = {**res, "cublas_us": round(cublas, 2), "gemv_us": round(default, 2),
-                        "gemv_tiles": list(gemv.config(n, k)), "gemv_max_err": err,
+                        "gemv_tiles": list(tiles), "gemv_max_err": err,
                         "best_us": round(best_us, 2), "best_tiles": list(best),
                         "top5": [[round(u, 2), list(t)] for u, t in tried[:5]],
                         "cublas_GBps": round(nbytes / cublas / 1e3, 1), "best_GBps": round(nbytes / best_us / 1e3, 1)}
                 print(json.dumps(line), flush=True)
                 best_rows.append(line)
             del ws
-    print(f"{'model':13} {'product':8} {'rows':>4} {'MB':>7} {'cuBLAS us':>9} {'gemv us':>8} {'best us':>8}  best tiles")
+    print(f"{'model':13} {'product':8} {'rows':>4} {'MB':>7} {'cuBLAS us':>9} {'gemv us':>8} {'best us':>8}  "
+          f"{'+act: cuBLAS':>12} {'gemv':>6}  best tiles")
     for r in best_rows:
         print(f"{r['model']:13} {r['product']:8} {r['rows']:4} {r['MB']:7} {r['cublas_us']:9} {r['gemv_us']:8} "
-              f"{r['best_us']:8}  {r['best_tiles']}")
+              f"{r['best_us']:8}  {r.get('cublas_act_us', ''):>12} {r.get('gemv_act_us', ''):>6}  {r['best_tiles']}")
 
 
 if __name__ == "__main__":

@@ -2,25 +2,30 @@
 
 A decode step of a small batch reads every weight once and does almost no
 arithmetic with it: each product is bound by how fast its weight streams
-in. cuBLAS runs those products at about half the copy rate on Qwen3-0.6B's
-shapes (an H100: 0.77 ms of a 1.32 ms batch-1 step for 1.19 GB of weights,
-RESULTS.md), and between two products the model launches small kernels of
-its own: the gated activation is one a layer.
+in. cuBLAS runs the small ones well below the copy rate (an H100, in a CUDA
+graph over weights L2 cannot hold: Qwen3-0.6B's o and down products 5.8
+and 7.5 us for 4 and 6 MB; `benchmarks/gemv_sweep.py`, RESULTS.md), and
+between two products the model launches small kernels of its own: the
+gated activation is one a layer.
 
 ``linear(x, weight, bias, act=)`` takes ``x`` ``[M, K]`` with ``M <=
-ROWS`` and a row-major ``[N, K]`` weight. Each program owns ``BLOCK_N``
-output columns and walks K in tiles, the tile's rows times the weight tile
-on the tensor cores (``tl.dot``; float32 weights in IEEE float32), float32
-sums, the result rounded once to the input dtype (with the bias added
-before the round, as cuBLAS's epilogue adds it). With ``act`` the input is
-a fused gate/up product ``[M, 2K]`` and each tile is ``act(gate) * up``,
-rounded as ``fused.act_mul`` rounds it: the activation's launch folds into
-the product that reads it.
+ROWS`` and a row-major ``[N, K]`` weight. A program owns a few output
+columns and walks K in tiles; sums are float32 and the result is rounded
+once to the input dtype, the bias added before the round (cuBLAS's
+epilogue). One row (batch-1 decode) multiplies each weight tile by the row
+element by element and sums (``_row_kernel``: many narrow programs, the
+weight in registers); two rows or more go through the tensor cores
+(``_rows_kernel``: the rows padded to ``ROWS``, float32 weights in IEEE
+float32). The tiles are ``config``'s, measured on an H100 (RESULTS.md).
 
-The rows are padded to ``ROWS`` in every launch and the tile sizes depend
-on the weight's shape only, so a row's result is the same bits whatever
-the other rows and however many there are (one row of a batch of 16 as
-alone); against cuBLAS the last bits differ (another order of sums).
+With ``act`` the weight is a fused gate/up ``[2n, K]`` and the result
+``[M, n]`` is ``act(gate) * up``, rounded as ``fused.act_mul`` rounds the
+product's output: a program takes gate's columns and up's same columns,
+so the activation's launch folds into the product that makes its input.
+
+Rows of the tensor-core kernel are independent: a row's result is the same
+bits whatever the other rows and however many (2 to 16). The one-row
+kernel sums in another order, and cuBLAS (17 rows or more) in another.
 """
 
 from __future__ import annotations
@@ -39,46 +44,78 @@ if triton is not None:
     from pagedlm.kernels.fused import _round, _tanh
 
     @triton.jit
-    def _gemv_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
-                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN: tl.constexpr, IEEE: tl.constexpr):
-        """``Out[m, n] = sum_k X[m, k] * W[n, k] (+ B[n])`` for ``m < M``, the
-        program's BLOCK_N columns; with ACT, ``X[m, k]`` is ``act(X[m, k]) *
-        X[m, K + k]`` rounded to Out's dtype (``fused._act_mul_kernel``)."""
-        pid = tl.program_id(0)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _finish(acc, acc_up, B, n, n_ok, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):
+        """The output tile from the float32 sums (gate's and up's with ACT):
+        the bias added, rounded to DTYPE; with ACT, ``act(gate) * up`` of the
+        rounded products, rounded as ``fused._act_mul_kernel`` rounds it."""
+        if HAS_BIAS:
+            acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
+            if ACT != 0:
+                acc_up += tl.load(B + N + n, mask=n_ok, other=0.0).to(tl.float32)
+        if ACT == 0:
+            return acc.to(DTYPE)
+        gate = _round(acc, DTYPE)
+        if ACT == 2:  # gelu(approximate="tanh")
+            a = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        else:  # silu
+            a = gate / (1.0 + tl.exp(-gate))
+        return (_round(a, DTYPE) * _round(acc_up, DTYPE)).to(DTYPE)
+
+    @triton.jit
+    def _row_kernel(X, W, B, Out, N, K, stride_wn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+        """One row: ``Out[n] = sum_k X[k] * W[n, k]`` for the program's
+        BLOCK_N columns (and ``W[N + n, k]``'s with ACT), products summed in
+        a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = W + n[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                mask = n_ok[:, None]
+                x = tl.load(X + k).to(tl.float32)[None, :]
+            else:
+                mask = n_ok[:, None] & (k[None, :] < K)
+                x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+            if ACT != 0:
+                acc_up += tl.load(rows + N * stride_wn + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        y = _finish(tl.sum(acc, 1), tl.sum(acc_up, 1), B, n, n_ok, N, ACT, HAS_BIAS, Out.dtype.element_ty)
+        tl.store(Out + n, y, mask=n_ok)
+
+    @triton.jit
+    def _rows_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om, ACT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                     IEEE: tl.constexpr):
+        """Rows ``m < M`` (at most 16): ``Out[m, n] = sum_k X[m, k] * W[n, k]``
+        on the tensor cores, the rows padded to 16 (and ``W[N + n, k]``'s with ACT)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, 16)
         m_ok = m < M
         n_ok = n < N
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         x_rows = X + m[:, None] * stride_xm
         w_rows = W + n[:, None].to(tl.int64) * stride_wn
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:  # K a multiple of BLOCK_K: only the rows are masked
+            if EVEN:
                 x_mask = m_ok[:, None]
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                w_mask = n_ok[:, None]
             else:
                 x_mask = m_ok[:, None] & (k[None, :] < K)
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
-            if ACT == 0:
-                x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
-            else:
-                gate = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_rows + K + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
-                if ACT == 2:  # gelu(approximate="tanh")
-                    a = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-                else:  # silu
-                    a = gate / (1.0 + tl.exp(-gate))
-                x = (_round(a, Out.dtype.element_ty) * up).to(Out.dtype.element_ty)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        if HAS_BIAS:
-            acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Out + m[:, None] * stride_om + n[None, :], acc.to(Out.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+                w_mask = n_ok[:, None] & (k[None, :] < K)
+            x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee" if IEEE else None)
+            if ACT != 0:
+                w_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_mask, other=0.0)
+                acc_up += tl.dot(x, tl.trans(w_up), input_precision="ieee" if IEEE else None)
+        y = _finish(acc, acc_up, B, n[None, :], n_ok[None, :], N, ACT, HAS_BIAS, Out.dtype.element_ty)
+        tl.store(Out + m[:, None] * stride_om + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -88,42 +125,55 @@ def usable(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
             and weight.dtype in DTYPES and x.numel() <= ROWS * x.shape[-1] and weight.stride(-1) == 1)
 
 
-def config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for an ``[n, k]`` weight: enough
-    programs to cover the GPU's SMs twice where the columns allow it, tiles of 8 KB or more."""
-    block_n = 16
-    while block_n < 128 and n // (2 * block_n) >= 264:
-        block_n *= 2
-    block_k = 256 if k >= 256 else triton.next_power_of_2(max(k, 16))
-    return block_n, block_k, 4, 3
+def config(n: int, k: int, rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for ``rows`` rows by an ``[n, k]``
+    weight (``n``: output columns), from `benchmarks/gemv_sweep.py` on an
+    H100 (RESULTS.md): one row, 4 columns a program and 512-1024 of K a
+    tile; more rows, tiles of 8192 weights (16 KB in bf16), wider for wider
+    products, K's tile dividing K where one can."""
+    if rows == 1:
+        if k <= 1024 and k & (k - 1) == 0:
+            return 4, min(512, k), 4, 1
+        return 4, min(1024, triton.next_power_of_2(k)), 8, 1
+    block_n = 16 if n <= 1024 else 32 if n <= 4096 else 64
+    tile = 8192 if dtype.itemsize <= 2 else 4096
+    block_k = next((b for b in (512, 256, 128, 64) if b * block_n <= tile and k % b == 0),
+                   min(128, triton.next_power_of_2(max(k, 16))))
+    return block_n, block_k, 4, 3 if block_k >= 512 else 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            act: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` ``[..., K]`` of at most ``ROWS``
     rows (``usable``); with ``act`` (an activation ``models.layers.ACTIVATIONS``
-    names) ``x`` is ``[..., 2K]`` and the product is ``F.linear(act(gate) * up, ...)``
-    as ``fused.act_mul`` rounds it."""
+    names), ``fused.act_mul`` of that product: ``[..., N / 2]``."""
     n, k = weight.shape
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows.shape[1] != (2 * k if act else k) or rows.shape[0] > ROWS:
-        raise ValueError(f"gemv.linear: {tuple(x.shape)} rows by a {tuple(weight.shape)} weight"
-                         f"{' after ' + act if act else ''}: at most {ROWS} rows of {2 * k if act else k}")
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    if rows.shape[1] != k or rows.shape[0] > ROWS or (act and n % 2):
+        raise ValueError(f"gemv.linear: {tuple(x.shape)} by a {tuple(weight.shape)} weight: at most {ROWS} rows "
+                         f"of {k}{', an even number of output rows for ' + act if act else ''}")
+    n_out = n // 2 if act else n
+    out = torch.empty((rows.shape[0], n_out), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        launch(rows, weight, bias, out, act, *config(n, k))
-    return out.view(*x.shape[:-1], n)
+        launch(rows, weight, bias, out, act, *config(n_out, k, rows.shape[0], weight.dtype))
+    return out.view(*x.shape[:-1], n_out)
 
 
 def launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
            act: str | None, block_n: int, block_k: int, warps: int, stages: int) -> None:
-    """One launch of the kernel with the tiles given (``linear`` takes
-    ``config``'s; ``benchmarks/gemv_sweep.py`` tries others)."""
-    n, k = weight.shape
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        rows, weight, weight if bias is None else bias, out, rows.shape[0], n, k, rows.stride(0),
-        weight.stride(0), out.stride(0), ACT=ACTS[act], HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN=k % block_k == 0, IEEE=weight.dtype == torch.float32, num_warps=warps,
-        num_stages=stages)
+    """One launch with the tiles given (``linear`` takes ``config``'s;
+    ``benchmarks/gemv_sweep.py`` tries others): ``out`` ``[M, N']`` where
+    N' is the weight's rows, or half of them with ``act``."""
+    m, n = out.shape
+    k = weight.shape[1]
+    common = dict(ACT=ACTS[act], HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                  EVEN=k % block_k == 0, num_warps=warps)
+    b = weight if bias is None else bias
+    grid = (triton.cdiv(n, block_n),)
+    if m == 1:
+        _row_kernel[grid](rows, weight, b, out, n, k, weight.stride(0), **common)
+    else:
+        _rows_kernel[grid](rows, weight, b, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+                           IEEE=weight.dtype == torch.float32, num_stages=stages, **common)

@@ -321,9 +321,9 @@ class GatedMLP(nn.Module):
         self.activation = activation  # an ACTIVATIONS name: the fused kernel takes it too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv.usable(x, self.gate_up_proj.weight):  # few rows on CUDA: the activation inside the product
+            return self.down_proj(gemv.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.activation))
         gate_up = self.gate_up_proj(x)
-        if gemv.usable(gate_up, self.down_proj.weight):  # the activation inside the product (few rows, CUDA)
-            return gemv.linear(gate_up, self.down_proj.weight, self.down_proj.bias, act=self.activation)
         if fused.enabled(gate_up) and gate_up.dim() == 2:
             return self.down_proj(fused.act_mul(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -75,11 +75,13 @@ def cases():
     yield ("act_mul", fused._act_mul_kernel, {"X": bf16, "Out": bf16}, dict(GELU=False, BLOCK=1024), 4)
     for dtype, act, bias, even in (("bf16", 0, False, True), ("bf16", 1, True, False), ("bf16", 2, False, True),
                                    ("fp32", 0, True, True)):
-        block_n, block_k, warps, _ = gemv.config(4096, 1024)
-        yield (f"gemv, {dtype}, act={act}, bias={bias}, even={even}", gemv._gemv_kernel,
-               {n: f"*{dtype}" for n in ("X", "W", "B", "Out")},
-               dict(ACT=act, HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even, IEEE=dtype == "fp32"),
-               warps)
+        types = {n: f"*{dtype}" for n in ("X", "W", "B", "Out")}
+        for rows in (1, 16):
+            block_n, block_k, warps, _ = gemv.config(4096, 1024, rows, torch.float32 if dtype == "fp32" else torch.bfloat16)
+            consts = dict(ACT=act, HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even)
+            kernel = gemv._row_kernel if rows == 1 else gemv._rows_kernel
+            yield (f"gemv, {rows} rows, {dtype}, act={act}, bias={bias}, even={even}", kernel, types,
+                   consts if rows == 1 else {**consts, "IEEE": dtype == "fp32"}, warps)
 
 
 def main() -> int:

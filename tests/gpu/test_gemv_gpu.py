@@ -34,15 +34,17 @@ def test_gemv_bf16_is_the_product_to_one_rounding(n, k, rows):
     b = torch.randn(n, device="cuda", generator=g).bfloat16()
     got = gemv.linear(x, w, b)
     assert bf16_close(got, x.double() @ w.double().T + b.double())
-    assert torch.equal(gemv.linear(x[:1], w, b)[0], got[0])  # a row alone: the same bits
+    if rows > 2:  # the tensor-core kernel's rows are independent
+        assert torch.equal(gemv.linear(x[1:3], w, b), got[1:3])
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-def test_gemv_with_the_activation_is_act_mul_then_the_product(activation):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_with_the_activation_is_the_product_then_act_mul(activation, rows):
     g = torch.Generator(device="cuda").manual_seed(3)
-    gate_up = torch.randn(3, 2 * 3072, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(1024, 3072, device="cuda", generator=g) * 0.05).bfloat16()
-    assert torch.equal(gemv.linear(gate_up, w, act=activation), gemv.linear(fused.act_mul(gate_up, activation), w))
+    x = torch.randn(rows, 1024, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2 * 3072, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+    assert torch.equal(gemv.linear(x, w, act=activation), fused.act_mul(gemv.linear(x, w), activation))
 
 
 def test_layers_take_the_kernel_up_to_16_rows_and_cublas_past_them():
@@ -53,8 +55,7 @@ def test_layers_take_the_kernel_up_to_16_rows_and_cublas_past_them():
         x = torch.randn(rows, 512, device="cuda").bfloat16()
         if rows <= gemv.ROWS:
             want = gemv.linear(x, lin.weight, lin.bias)
-            gate_up = gemv.linear(x, mlp.gate_up_proj.weight)
-            want_mlp = gemv.linear(gate_up, mlp.down_proj.weight, act="silu")
+            want_mlp = gemv.linear(gemv.linear(x, mlp.gate_up_proj.weight, act="silu"), mlp.down_proj.weight)
         else:
             want = F.linear(x, lin.weight, lin.bias)
             want_mlp = F.linear(fused.act_mul(F.linear(x, mlp.gate_up_proj.weight), "silu"), mlp.down_proj.weight)
