@@ -166,9 +166,21 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAccess, step: StepBatch) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope_rows = self.rope.rows(positions, step.max_position, h.dtype)
-        for layer in self.layers:
-            h = layer(h, rope_rows, kv, step)
-        return self.norm(h)
+        return self.run_layers(h, lambda layer: rope_rows, kv, step)
+
+    def run_layers(self, h: torch.Tensor, rope_rows: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]],
+                   kv: KVAccess, step: StepBatch) -> torch.Tensor:
+        """The blocks over the residual stream ``h``, then the final norm.
+        A block takes its input already normed and the stream, and returns
+        the next block's normed input (its ``then``, the next block's
+        ``input_layernorm`` or the final norm) with the new stream: the
+        residual add that ends a block and the norm that starts the next
+        are one kernel on CUDA (``RMSNorm.add``), the same bits as the two."""
+        layers = list(self.layers)
+        normed = layers[0].input_layernorm(h) if layers else self.norm(h)
+        for layer, then in zip(layers, [*(layer.input_layernorm for layer in layers[1:]), self.norm]):
+            normed, h = layer(normed, h, rope_rows(layer), kv, step, then)
+        return normed
 
 
 class CausalLM(Protocol):

@@ -120,15 +120,17 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
 
-    def forward(self, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor], kv: KVAccess,
-                step: StepBatch) -> torch.Tensor:
+    def forward(self, normed: torch.Tensor, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor],
+                kv: KVAccess, step: StepBatch, then: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normed``: ``input_layernorm(x)``; returns ``(then(s), s)`` for the
+        stream ``s`` this block leaves (``Decoder.run_layers``)."""
         # x, the residual stream, may be wider than the layers (``residual_dtype``):
         # the sub-layers take their dtype, the norms after them give back x's.
         dtype = self.input_layernorm.weight.dtype
-        attn = self.self_attn(self.input_layernorm(x).to(dtype), rope_rows, kv, step)
+        attn = self.self_attn(normed.to(dtype), rope_rows, kv, step)
         normed, h = self.post_attention_layernorm.norm_add(attn.to(x.dtype), x, then=self.pre_feedforward_layernorm)
         mlp = self.mlp(normed.to(dtype))
-        return self.post_feedforward_layernorm.norm_add(mlp.to(h.dtype), h)
+        return self.post_feedforward_layernorm.norm_add(mlp.to(h.dtype), h, then=then)
 
 
 class Gemma3Model(Decoder):
@@ -148,9 +150,7 @@ class Gemma3Model(Decoder):
         dtype = h.dtype
         h = (h * _embed_scale(self.hidden_size, dtype)).to(residual_dtype(dtype))
         rope_rows = {t: rope.rows(positions, step.max_position, dtype) for t, rope in self.ropes.items()}
-        for layer in self.layers:
-            h = layer(h, rope_rows[layer.layer_type], kv, step)
-        return self.norm(h).to(dtype)
+        return self.run_layers(h, lambda layer: rope_rows[layer.layer_type], kv, step).to(dtype)
 
 
 class Model(DecoderLM):

@@ -63,10 +63,12 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor], kv: KVAccess,
-                step: StepBatch) -> torch.Tensor:
-        normed, h = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(x), rope_rows, kv, step), x)
-        return h + self.mlp(normed)
+    def forward(self, normed: torch.Tensor, x: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor],
+                kv: KVAccess, step: StepBatch, then: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normed``: ``input_layernorm(x)``; returns ``(then(s), s)`` for the
+        stream ``s`` this block leaves (``Decoder.run_layers``)."""
+        normed, h = self.post_attention_layernorm.add(self.self_attn(normed, rope_rows, kv, step), x)
+        return then.add(self.mlp(normed), h)
 
 
 class Model(DecoderLM):
