@@ -129,18 +129,23 @@ if triton is not None:
         return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
     @triton.jit
+    def act_mul_of(gate, up, GELU: tl.constexpr, DTYPE: tl.constexpr):
+        """``act(gate) * up`` of float32 values that hold DTYPE ones, rounded
+        to DTYPE as torch's ops on DTYPE round it (the activation, then the product)."""
+        if GELU:  # gelu(approximate="tanh")
+            act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        else:  # silu
+            act = gate / (1.0 + tl.exp(-gate))
+        return (_round(act, DTYPE) * up).to(DTYPE)
+
+    @triton.jit
     def _act_mul_kernel(X, Out, stride_x, stride_o, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         gate = tl.load(X + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         up = tl.load(X + row * stride_x + n + offs, mask=m, other=0.0).to(tl.float32)
-        if GELU:  # gelu(approximate="tanh")
-            act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-        else:  # silu
-            act = gate / (1.0 + tl.exp(-gate))
-        y = _round(act, Out.dtype.element_ty) * up
-        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=m)
+        tl.store(Out + row * stride_o + offs, act_mul_of(gate, up, GELU, Out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _masked_logits_kernel(Logits, Bits, Out, stride_l, stride_b, stride_o, n, BLOCK: tl.constexpr):

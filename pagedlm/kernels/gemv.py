@@ -41,25 +41,20 @@ ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
 if triton is not None:
     import triton.language as tl
 
-    from pagedlm.kernels.fused import _round, _tanh
+    from pagedlm.kernels.fused import _round, act_mul_of
 
     @triton.jit
     def _finish(acc, acc_up, B, n, n_ok, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):
         """The output tile from the float32 sums (gate's and up's with ACT):
         the bias added, rounded to DTYPE; with ACT, ``act(gate) * up`` of the
-        rounded products, rounded as ``fused._act_mul_kernel`` rounds it."""
+        rounded products (``fused.act_mul_of``, as ``fused.act_mul`` rounds it)."""
         if HAS_BIAS:
             acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
             if ACT != 0:
                 acc_up += tl.load(B + N + n, mask=n_ok, other=0.0).to(tl.float32)
         if ACT == 0:
             return acc.to(DTYPE)
-        gate = _round(acc, DTYPE)
-        if ACT == 2:  # gelu(approximate="tanh")
-            a = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-        else:  # silu
-            a = gate / (1.0 + tl.exp(-gate))
-        return (_round(a, DTYPE) * _round(acc_up, DTYPE)).to(DTYPE)
+        return act_mul_of(_round(acc, DTYPE), _round(acc_up, DTYPE), ACT == 2, DTYPE)
 
     @triton.jit
     def _row_kernel(X, W, B, Out, N, K, stride_wn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
