@@ -35,6 +35,7 @@ import torch
 from pagedlm.kernels.paged_attention import triton
 
 ROWS = 16  # the most rows a product takes here (tl.dot's smallest side); more go to cuBLAS
+MAX_BYTES = 64 << 20  # bigger weights go to cuBLAS (the 8B's MLP and the heads: as fast or faster there)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
 
@@ -115,9 +116,10 @@ if triton is not None:
 
 def usable(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes this product: a CUDA float weight (not
-    quantized) and at most ``ROWS`` rows of the same dtype."""
+    quantized) of at most ``MAX_BYTES`` and at most ``ROWS`` rows of the same dtype."""
     return (triton is not None and weight is not None and x.is_cuda and weight.dtype == x.dtype
-            and weight.dtype in DTYPES and x.numel() <= ROWS * x.shape[-1] and weight.stride(-1) == 1)
+            and weight.dtype in DTYPES and x.numel() <= ROWS * x.shape[-1] and weight.stride(-1) == 1
+            and weight.numel() * weight.element_size() <= MAX_BYTES)
 
 
 def config(n: int, k: int, rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
