@@ -85,15 +85,15 @@ if triton is not None:
     @triton.jit
     def _rows_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om, ACT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                     IEEE: tl.constexpr):
-        """Rows ``m < M`` (at most 16): ``Out[m, n] = sum_k X[m, k] * W[n, k]``
-        on the tensor cores, the rows padded to 16 (and ``W[N + n, k]``'s with ACT)."""
+                     IEEE: tl.constexpr, ROWS: tl.constexpr):
+        """Rows ``m < M`` (at most ROWS): ``Out[m, n] = sum_k X[m, k] * W[n, k]``
+        on the tensor cores, the rows padded to ROWS (and ``W[N + n, k]``'s with ACT)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, 16)
+        m = tl.arange(0, ROWS)
         m_ok = m < M
         n_ok = n < N
-        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         x_rows = X + m[:, None] * stride_xm
         w_rows = W + n[:, None].to(tl.int64) * stride_wn
         for k0 in range(0, K, BLOCK_K):
@@ -173,4 +173,4 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         _row_kernel[grid](rows, weight, b, out, n, k, weight.stride(0), **common)
     else:
         _rows_kernel[grid](rows, weight, b, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
-                           IEEE=weight.dtype == torch.float32, num_stages=stages, **common)
+                           IEEE=weight.dtype == torch.float32, ROWS=ROWS, num_stages=stages, **common)

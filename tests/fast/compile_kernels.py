@@ -81,7 +81,7 @@ def cases():
             consts = dict(ACT=act, HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even)
             kernel = gemv._row_kernel if rows == 1 else gemv._rows_kernel
             yield (f"gemv, {rows} rows, {dtype}, act={act}, bias={bias}, even={even}", kernel, types,
-                   consts if rows == 1 else {**consts, "IEEE": dtype == "fp32"}, warps)
+                   consts if rows == 1 else {**consts, "IEEE": dtype == "fp32", "ROWS": gemv.ROWS}, warps)
 
 
 def main() -> int:

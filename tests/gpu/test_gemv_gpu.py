@@ -47,6 +47,13 @@ def test_gemv_with_the_activation_is_the_product_then_act_mul(activation, rows):
     assert torch.equal(gemv.linear(x, w, act=activation), fused.act_mul(gemv.linear(x, w), activation))
 
 
+def test_weights_past_max_bytes_stay_with_cublas():
+    x = torch.zeros(1, 8192, device="cuda", dtype=torch.bfloat16)
+    rows = gemv.MAX_BYTES // (8192 * 2)
+    assert gemv.usable(x, torch.empty(rows, 8192, device="cuda", dtype=torch.bfloat16))
+    assert not gemv.usable(x, torch.empty(rows + 1, 8192, device="cuda", dtype=torch.bfloat16))
+
+
 def test_layers_take_the_kernel_up_to_16_rows_and_cublas_past_them():
     torch.manual_seed(0)
     lin = Linear(512, 768, bias=True).cuda().bfloat16()
