@@ -4,9 +4,9 @@ sizes, so that ``gemv.config`` can be chosen from measurements.
 
 Each product is timed as a decode step runs it: inside a CUDA graph, back
 to back over enough copies of its weight that they cannot stay in L2 (200
-MB or more in all), so every weight streams from memory. A one-row kernel
-of another shape (elementwise products summed per column, no tensor
-cores: ``_rowsum_kernel``, here only) is timed beside it at M = 1.
+MB or more in all), so every weight streams from memory. With ``--grid``,
+one row tries the one-row kernel's tiles (columns a program, K a tile,
+warps) and more rows the tensor-core kernel's (and pipeline stages).
 
 Each gate/up product is also timed with its activation: cuBLAS then
 ``fused.act_mul`` against the kernel with the activation inside.
@@ -24,7 +24,6 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from pagedlm.kernels import fused, gemv
 
@@ -36,19 +35,6 @@ SHAPES = {  # model: (name, N, K) of each product a decode step runs
     "llama-3.1-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                      ("head", 128256, 4096)],
 }
-
-
-@triton.jit
-def _rowsum_kernel(X, W, Out, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(W + n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                    other=0.0)
-        x = tl.load(X + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(Out + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=n < N)
 
 
 def graph_time(fn, copies: int, replays: int = 20) -> float:
@@ -93,7 +79,8 @@ def main() -> None:
     del big
     block_ns = (16, 32, 64) if a.quick else (16, 32, 64, 128)
     block_ks = (128, 256, 512) if a.quick else (64, 128, 256, 512)
-    grid = list(itertools.product(block_ns, block_ks, (4, 8), (2, 3, 4) if not a.quick else (3, 4)))
+    grids = {"rows": list(itertools.product(block_ns, block_ks, (4, 8), (2, 3, 4) if not a.quick else (3, 4))),
+             "row": list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1,)))}
     best_rows = []
     for model in a.models:
         for name, n, k in SHAPES[model]:
@@ -118,7 +105,7 @@ def main() -> None:
                     res["gemv_act_us"] = round(graph_time(lambda i: gemv.launch(
                         x, ws[i], None, half, act, *gemv.config(n // 2, k, rows, dtype)), copies), 2)
                 tried = [(default, tiles)]
-                for bn, bk, warps, stages in grid if a.grid else []:
+                for bn, bk, warps, stages in grids["row" if rows == 1 else "rows"] if a.grid else []:
                     if bk > max(16, triton.next_power_of_2(k)):
                         continue
                     try:
@@ -127,13 +114,6 @@ def main() -> None:
                         print(json.dumps({**res, "tiles": [bn, bk, warps, stages], "error": str(e)[:120]}))
                         continue
                     tried.append((us, (bn, bk, warps, stages)))
-                if rows == 1 and a.grid:
-                    for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)):
-                        if bk > max(16, triton.next_power_of_2(k)):
-                            continue
-                        us = graph_time(lambda i: _rowsum_kernel[(triton.cdiv(n, bn),)](
-                            x, ws[i], out, n, k, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps), copies)
-                        tried.append((us, ("rowsum", bn, bk, warps)))
                 tried.sort()
                 best_us, best = tried[0]
                 line = {**res, "cublas_us": round(cublas, 2), "gemv_us": round(default, 2),
