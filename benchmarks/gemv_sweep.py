@@ -12,7 +12,8 @@ Each gate/up product is also timed with its activation: cuBLAS then
 ``fused.act_mul`` against the kernel with the activation inside.
 
 Usage (a CUDA machine): PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--grid | --quick] [--rows 1 8 16]
-Prints one JSON line per (shape, rows, kernel, tiles) and a table of the best tiles.
+Prints one JSON line per (shape, rows): cuBLAS, the kernel with ``gemv.config``'s tiles, the best of
+the grid's; a line per tile that failed to launch; then a table.
 """
 
 from __future__ import annotations

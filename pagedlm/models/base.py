@@ -175,7 +175,8 @@ class Decoder(nn.Module):
         the next block's normed input (its ``then``, the next block's
         ``input_layernorm`` or the final norm) with the new stream: the
         residual add that ends a block and the norm that starts the next
-        are one kernel on CUDA (``RMSNorm.add``), the same bits as the two."""
+        are one kernel on CUDA (``RMSNorm.add``; Gemma's ``RMSNorm.norm_add``
+        with ``then``), the same bits as the two."""
         layers = list(self.layers)
         normed = layers[0].input_layernorm(h) if layers else self.norm(h)
         for layer, then in zip(layers, [*(layer.input_layernorm for layer in layers[1:]), self.norm]):
