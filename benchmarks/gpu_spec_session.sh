@@ -24,6 +24,8 @@
 #   trees   batch-1 decode (AB_SHAPE, gemma3-270m; several shapes: each) of this tree ($NOW) against BASE (a
 #           `git archive` of another commit), interleaved, ROUNDS rounds
 #   gemv    benchmarks/gemv_sweep.py: the few-row product kernel against cuBLAS, decode shapes (GEMV_ARGS: its flags)
+#   prefill the prompt-heavy row: PREFILL_PROMPTS (256) prompts of PREFILL_LENS ("1024 4096": least and most) tokens,
+#           one output token each, bf16 KV (total_tok_s is the prefill rate)
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
 # of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).
@@ -133,6 +135,11 @@ if has workload; then
     bench workload.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
       --min-len 100 --max-len 1024 --seed 0 --stores paged --attention-backend triton --kv-quant $quant
   done
+fi
+if has prefill; then
+  set -- ${PREFILL_LENS:-1024 4096}
+  bench prefill.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts \
+    "${PREFILL_PROMPTS:-256}" --min-len $1 --max-len $2 --output-len 1 --seed 0 --stores paged --repeats 3
 fi
 if has hf; then
   for quant in none fp8; do
