@@ -12,8 +12,11 @@ token-major pools, whose keys and values share strides; by element strides
 for head-major 8-bit ones, values tokens innermost: ``cache.kv_quant``), so
 the block size only changes where rows come from, never the tiling.
 
-Decode is split-K ("flash-decoding"): a row's keys are cut into splits of
-``SPLIT`` tokens at fixed boundaries (0, SPLIT, 2*SPLIT, ...), and each
+Decode is split-K ("flash-decoding"): a row's keys are cut into splits at
+fixed boundaries (0, size, 2*size, ...), the size picked from the row's own
+length (``split_len``: the shortest of SPLIT_MIN, 2*SPLIT_MIN, ..., SPLIT
+that cuts it into at most SHORT_SPLITS; SPLIT past that), so a short row
+is shared out over as many programs as a long one, and each
 split's softmax-weighted sum is computed on its own, for every query head
 of the KV group at once (the keys are read once per group, not once per
 query head), and written as its own partial with its log-sum-exp; a second
@@ -51,7 +54,9 @@ try:
 except ImportError:  # CPU installs: the reference path serves
     triton = None
 
-SPLIT = 256  # keys per decode split, each its own partial: fixed, so a row's result ignores its neighbours
+SPLIT = 256  # keys per decode split at most, each its own partial (a row's length alone sets its splits,
+SPLIT_MIN = 64  # ... at least (a tile, BLOCK_N)                   so a row's result ignores its neighbours)
+SHORT_SPLITS = 16  # a row is cut into at most this many splits while they can be shorter than SPLIT
 PROGRAMS_PER_SM = 4  # decode_programs: how full the grid is made
 MAX_PROGRAMS = 128  # programs per (row, KV head) at most; program z takes splits z, z + programs, ...
 MERGE_CHUNK = 32  # splits the merge reads at a time
@@ -154,13 +159,22 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _splits_before(SeqLens, b, SPLIT: tl.constexpr, ROWS: tl.constexpr):
+    def _split_len(seq_len, SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr):
+        """Keys per split of a row of ``seq_len`` keys (elementwise): ``split_len``'s rule."""
+        size = seq_len * 0 + SPLIT_MIN
+        for _ in tl.static_range(8):  # doublings: SPLIT // SPLIT_MIN is at most 2^8
+            size = tl.where((size < SPLIT) & (seq_len > size * SHORT), size * 2, size)
+        return size
+
+    @triton.jit
+    def _splits_before(SeqLens, b, SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr,
+                       ROWS: tl.constexpr):
         """Splits of the rows before row ``b``: where its partials start."""
         total = 0
         for c in range(0, b, ROWS):
             rows = c + tl.arange(0, ROWS)
-            lens = tl.load(SeqLens + rows, mask=rows < b, other=0)
-            total += tl.sum((lens + SPLIT - 1) // SPLIT).to(tl.int32)  # the lengths are int64: keep int32
+            lens = tl.load(SeqLens + rows, mask=rows < b, other=0).to(tl.int32)  # int64 lengths: keep int32
+            total += tl.sum(tl.cdiv(lens, _split_len(lens, SPLIT, SPLIT_MIN, SHORT)))
         return total
 
     # Not specialized on what changes between eager steps (the table's width, the program
@@ -172,9 +186,9 @@ if triton is not None:
         sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
         scale, window, programs,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr, F16_SHIFT: tl.constexpr,
-        RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr, ROWS: tl.constexpr,
+        SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr,
+        F16_SHIFT: tl.constexpr, RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr, ROWS: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -182,10 +196,11 @@ if triton is not None:
         # int32: int64 lengths (the engine's) make every token index and mask
         # int64 (168 registers a thread for 8-bit pools instead of 128)
         seq_len = tl.load(SeqLens + b).to(tl.int32)
-        base = _splits_before(SeqLens, b, SPLIT, ROWS)
+        base = _splits_before(SeqLens, b, SPLIT, SPLIT_MIN, SHORT, ROWS)
+        size = _split_len(seq_len, SPLIT, SPLIT_MIN, SHORT)
         lo = tl.maximum(seq_len - window, 0)
         # This program's splits: z, z + programs, ... from the first in the window.
-        s_begin = z + tl.cdiv(tl.maximum(lo // SPLIT - z, 0), programs) * programs
+        s_begin = z + tl.cdiv(tl.maximum(lo // size - z, 0), programs) * programs
 
         g = tl.arange(0, G_PAD)
         gmask = g < G
@@ -199,7 +214,7 @@ if triton is not None:
         if F16_DOT:
             q = (q.to(tl.float32) * (1.0 / F16_SHIFT)).to(tl.float16)
             scale = scale * F16_SHIFT
-        for s in range(s_begin, tl.cdiv(seq_len, SPLIT), programs):
+        for s in range(s_begin, tl.cdiv(seq_len, size), programs):
             # Each split its own softmax, written as its own partial: no
             # state crosses splits, so the program count never shows.
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -212,12 +227,12 @@ if triton is not None:
                 # math); read ahead, tiles are double-buffered. bf16 pools keep
                 # the in-loop read: one buffer, but fewer registers, which
                 # measured faster for them when the GPU is full.
-                first_block = (s * SPLIT) // BS
+                first_block = (s * size) // BS
                 blocks = first_block + tl.arange(0, (SPLIT + BS - 1) // BS)
-                split_table = tl.load(Tables + b * stride_tb + blocks,
-                                      mask=(blocks * BS < seq_len) & ((blocks + 1) * BS > lo), other=0)
-            for t in tl.range(0, SPLIT // BLOCK_N, num_stages=STAGES):
-                toks = s * SPLIT + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                split_table = tl.load(Tables + b * stride_tb + blocks, other=0,
+                                      mask=(blocks * BS < tl.minimum(seq_len, (s + 1) * size)) & ((blocks + 1) * BS > lo))
+            for t in tl.range(0, size // BLOCK_N, num_stages=STAGES):
+                toks = s * size + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 tmask = (toks < seq_len) & (toks >= lo)
                 if RUN > 1:
                     # Head-major (8-bit): loads masked by whole blocks (a block
@@ -263,7 +278,7 @@ if triton is not None:
                     pv = p * v_scale
                 acc = acc * alpha[:, None] + tl.dot(pv.to(DOT_T), v, input_precision=PRECISION)
                 m_i = m_new
-            # A split in [lo // SPLIT, cdiv(seq_len, SPLIT)) holds a key: l_i > 0.
+            # A split in [lo // size, cdiv(seq_len, size)) holds a key: l_i > 0.
             tl.store(OutPart + (base + s) * stride_os + heads[:, None] * stride_oh + d[None, :],
                      acc / l_i[:, None], mask=gmask[:, None])
             tl.store(LsePart + (base + s) * stride_ls + heads * stride_lh, m_i + tl.log(l_i), mask=gmask)
@@ -287,21 +302,23 @@ if triton is not None:
     def _decode_merge_kernel(
         OutPart, LsePart, Out, SeqLens,
         stride_ps, stride_ph, stride_ls, stride_lh, stride_ob, stride_oh, window,
-        D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+        D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr,
+        CHUNK: tl.constexpr, ROWS: tl.constexpr,
     ):
         """A row's split partials, merged in split order, CHUNK at a time."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.load(SeqLens + b).to(tl.int32)
-        base = _splits_before(SeqLens, b, SPLIT, ROWS)
-        first = tl.maximum(seq_len - window, 0) // SPLIT
+        base = _splits_before(SeqLens, b, SPLIT, SPLIT_MIN, SHORT, ROWS)
+        size = _split_len(seq_len, SPLIT, SPLIT_MIN, SHORT)
+        first = tl.maximum(seq_len - window, 0) // size
         d = tl.arange(0, D)
         m = tl.full([1], float("-inf"), tl.float32)
         total = tl.zeros([1], tl.float32)
         acc = tl.zeros([D], tl.float32)
-        for c in range(first, tl.cdiv(seq_len, SPLIT), CHUNK):
+        for c in range(first, tl.cdiv(seq_len, size), CHUNK):
             splits = c + tl.arange(0, CHUNK)
-            smask = splits < tl.cdiv(seq_len, SPLIT)
+            smask = splits < tl.cdiv(seq_len, size)
             lse = tl.load(LsePart + (base + splits) * stride_ls + h * stride_lh, mask=smask, other=float("-inf"))
             part = tl.load(OutPart + (base + splits)[:, None] * stride_ps + h * stride_ph + d[None, :],
                            mask=smask[:, None], other=0.0)
@@ -519,7 +536,7 @@ def decode_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size
     run (``_token_run``) and whether rows x KV heads fill the SMs
     (``benchmarks/decode_ptx.py`` compiles with these too)."""
     return dict(
-        G=group, G_PAD=max(MIN_DOT, triton.next_power_of_2(group)), D=head_dim, BS=block_size, SPLIT=SPLIT,
+        G=group, G_PAD=max(MIN_DOT, triton.next_power_of_2(group)), D=head_dim, BS=block_size, **split_constants(),
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant,
         STAGES=STAGES if quant or not busy else STAGES_BUSY,
         F16_DOT=quant and q_dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
@@ -535,22 +552,42 @@ def decode_programs(batch: int, kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_PROGRAMS, triton.next_power_of_2(want)))
 
 
+def split_constants() -> dict:
+    """The split rule's constants, as both decode kernels take them."""
+    assert SPLIT_MIN % BLOCK_N == 0 and SPLIT // SPLIT_MIN in [2**i for i in range(9)], \
+        "splits are whole tiles, their sizes SPLIT_MIN doubled at most 8 times"
+    return dict(SPLIT=SPLIT, SPLIT_MIN=SPLIT_MIN, SHORT=SHORT_SPLITS)
+
+
+def split_len(seq_len: int) -> int:
+    """Keys per decode split of a row of ``seq_len`` keys: the shortest of
+    SPLIT_MIN, 2 * SPLIT_MIN, ... that cuts the row into at most SHORT_SPLITS,
+    SPLIT past that (the kernels' ``_split_len``)."""
+    size = SPLIT_MIN
+    while size < SPLIT and seq_len > size * SHORT_SPLITS:
+        size *= 2
+    return size
+
+
 def row_splits(seq_len: int) -> int:
     """A row of ``seq_len`` keys' decode splits (its partials)."""
-    return -(-seq_len // SPLIT)
+    return -(-seq_len // split_len(seq_len))
 
 
 def decode_partials(rows: int, table_width: int, block_size: int) -> int:
-    """Partials of any ``rows`` rows of a table ``table_width`` blocks wide: each row's most."""
-    return rows * row_splits(table_width * block_size)
+    """Partials of any ``rows`` rows of a table ``table_width`` blocks wide:
+    each row's most over every length the table holds, SHORT_SPLITS once a
+    row can be SPLIT_MIN * SHORT_SPLITS long, else the widest row's."""
+    longest = table_width * block_size
+    return rows * max(row_splits(longest), SHORT_SPLITS if longest >= SPLIT_MIN * SHORT_SPLITS else 0)
 
 
 def pool_partials(rows: int, pool_tokens: int) -> int:
     """Partials of any ``rows`` rows whose keys are distinct slots of a pool
-    of ``pool_tokens`` (no block shared between two rows): those tokens'
-    splits, plus one a row (its last split may be partial). Rows that share
-    prefix blocks can hold more."""
-    return pool_tokens // SPLIT + rows
+    of ``pool_tokens`` (no block shared between two rows): a row holds at
+    most SHORT_SPLITS splits shorter than SPLIT, or its keys // SPLIT plus a
+    partial last one. Rows that share prefix blocks can hold more."""
+    return pool_tokens // SPLIT + rows * SHORT_SPLITS
 
 
 def paged_decode(
@@ -579,14 +616,29 @@ def paged_decode(
     The launch's shape depends on ``B``, the heads and ``partials``, never
     on lengths: a CUDA graph captured once serves every length."""
     B, Hq, D = q.shape
-    _, BS, Hkv, _ = k_pool.shape
-    G = Hq // Hkv
-    partials = partials or decode_partials(B, block_tables.shape[1], BS)
+    partials = partials or decode_partials(B, block_tables.shape[1], k_pool.shape[1])
     part = torch.empty((partials, Hq, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((partials, Hq), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     if B == 0:
         return out
+    decode_splits(q, k_pool, v_pool, block_tables, seq_lens, scale, window, scales, programs, part, lse)
+    _decode_merge_kernel[(B, Hq)](
+        part, lse, out, seq_lens,
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), _window(window), D=D, **split_constants(), CHUNK=MERGE_CHUNK, ROWS=ROWS_CHUNK,
+    )
+    return out
+
+
+def decode_splits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, window: int | None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None, programs: int | None,
+                  part: torch.Tensor, lse: torch.Tensor) -> None:
+    """``paged_decode``'s first launch: each split's partial ``part[i]`` and
+    log-sum-exp ``lse[i]``, row after row in split order."""
+    B, Hq, D = q.shape
+    _, BS, Hkv, _ = k_pool.shape
     programs = programs or decode_programs(B, Hkv, q.device)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     run = _token_run(k_pool, v_pool, scales)
@@ -596,15 +648,9 @@ def paged_decode(
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), programs,
-        **decode_constants(q.dtype, G, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
+        **decode_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
         num_warps=WARPS,
     )
-    _decode_merge_kernel[(B, Hq)](
-        part, lse, out, seq_lens,
-        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), _window(window), D=D, SPLIT=SPLIT, CHUNK=MERGE_CHUNK, ROWS=ROWS_CHUNK,
-    )
-    return out
 
 
 @functools.cache  # once per layer shape and tile class, not per layer and step

@@ -46,7 +46,7 @@ def cases():
                     "Tables": i64, "SeqLens": i64, "OutPart": "*fp32", "LsePart": "*fp32"}, consts, pa.WARPS)
     yield ("decode merge", pa._decode_merge_kernel,
            {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*bf16", "SeqLens": i64},
-           dict(D=128, SPLIT=pa.SPLIT, CHUNK=pa.MERGE_CHUNK, ROWS=pa.ROWS_CHUNK), 4)
+           dict(D=128, **pa.split_constants(), CHUNK=pa.MERGE_CHUNK, ROWS=pa.ROWS_CHUNK), 4)
     for pool, quant in (("*bf16", False), ("*i8", True)):
         for queries in (5, 1024):
             consts = pa.prefill_constants(torch.bfloat16, 2, 128, 16, quant, queries)

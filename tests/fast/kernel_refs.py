@@ -20,8 +20,10 @@ requires_triton = pytest.mark.skipif(not TRITON_IN_TEST_EXTRA,
                                      reason="triton is in the test extra on Linux only")
 
 
-def paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
-    """What ``paged_decode`` computes, row by row in float64."""
+def paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, scale, window=None, keys=None) -> torch.Tensor:
+    """What ``paged_decode`` computes, row by row in float64; ``keys`` (a
+    bool per key of a one-row batch) keeps those keys only: a split's own
+    softmax."""
     B, Hq, D = q.shape
     BS, Hkv = k_pool.shape[1], k_pool.shape[2]
     out = torch.empty((B, Hq, D), dtype=torch.float64, device=q.device)
@@ -34,6 +36,8 @@ def paged_decode_reference(q, k_pool, v_pool, block_tables, seq_lens, scale, win
         scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
         if window is not None:
             scores[:, toks < n - window] = float("-inf")
+        if keys is not None:
+            scores[:, ~keys.to(q.device)] = float("-inf")
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
     return out
 

@@ -83,10 +83,12 @@ def test_decode_rows_that_share_more_keys_than_the_pool_holds_run_eager():
     step then runs eager instead of overflowing the captured buffer."""
     triton = select_backend("triton", "cuda", paged=True)
     step = step_of([1] * 8)
-    prefix = 4 * paged_attention.SPLIT  # each of 8 rows has 4 splits of keys: 32 splits in all
+    prefix = 20 * paged_attention.SPLIT  # each of 8 rows has 20 splits of SPLIT keys: 160 splits in all
+    assert paged_attention.row_splits(prefix) == 20 and paged_attention.SHORT_SPLITS == 16
     shared = dataclasses.replace(step, seq_lens_host=(prefix,) * 8)
-    assert triton.can_capture(pool_of(blocks=prefix // 16 + 8), shared) is False  # 4 + 8 = 12 partials < 32
-    assert triton.can_capture(pool_of(blocks=8 * prefix // 16), shared) is True  # 32 + 8 partials
+    # the pool's bound: its tokens // SPLIT, plus SHORT_SPLITS a row
+    assert triton.can_capture(pool_of(blocks=prefix // 16 + 8), shared) is False  # 20 + 8 * 16 = 148 < 160
+    assert triton.can_capture(pool_of(blocks=8 * prefix // 16), shared) is True  # 160 + 8 * 16
 
 
 class Recorder:

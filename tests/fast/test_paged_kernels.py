@@ -33,12 +33,13 @@ def test_triton_imports_where_the_test_extra_installs_it():
 
 @pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [
     (16, [1, 17, 300], 4, 4, 64),        # GQA 1, a one-token row, a partial last block
-    (16, [513, 40], 16, 1, 64),          # GQA 16, three splits beside one
-    (64, [257, 256, 255], 8, 2, 128),    # lengths at the split boundary
+    (16, [513, 40], 16, 1, 64),          # GQA 16, nine splits of 64 keys beside one
+    (64, [257, 256, 255], 8, 2, 128),    # lengths at a split boundary
     (128, [600, 3], 6, 2, 256),          # GQA 3 (not a power of two), head dim 256
-    (256, [700, 1000, 31], 8, 1, 128),   # big blocks, one split a block
-    (8, [300, 70], 4, 2, 64),            # 32 blocks a split
-    (512, [1100, 40], 4, 2, 64),         # a block holds two splits: a split reads the middle of its block
+    (256, [700, 1000, 31], 8, 1, 128),   # big blocks, four splits a block
+    (8, [2100, 70], 4, 2, 64),           # 32 blocks a split of SPLIT keys
+    (512, [1100, 40], 4, 2, 64),         # a block holds four splits: a split reads the middle of its block
+    (16, [1024, 1025, 2048, 2049], 4, 2, 64),  # where the split size doubles: 16 splits of 64, 9 of 128, 16, 9 of 256
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_matches_float64_reference(block_size, lengths, hq, hkv, d, dtype):
@@ -87,13 +88,17 @@ def test_decode_partials_hold_the_rows_splits_and_no_more():
     most; rows of distinct blocks never need more than the pool's bound."""
     lengths = [20, 4200, 333, 1]
     q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 8, 2, 64, torch.float32, seed=4)
+    # a row of up to 16 splits of 64 keys, then of 128, then of 256 however long
+    assert [pa.split_len(n) for n in (1, 1024, 1025, 2048, 2049, 10**6)] == [64, 64, 128, 128, 256, 256]
     exact = sum(map(pa.row_splits, lengths))
-    assert exact == 1 + 17 + 2 + 1
+    assert exact == 1 + 17 + 6 + 1
     assert pa.decode_partials(4, tables.shape[1], 16) >= 4 * 17
     roomy = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125)
     tight = pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, partials=exact)
     assert rel_err(roomy, paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125)) < 1e-5
     assert torch.equal(tight, roomy)
+    for width in range(1, 300):  # a table's bound is its rows' most over every length it holds (blocks of 16)
+        assert pa.decode_partials(1, width, 16) == max(map(pa.row_splits, range(1, 16 * width + 1)))
     g = torch.Generator().manual_seed(0)
     for _ in range(200):  # rows cut from a pool of 64 blocks of 16: their splits fit the pool's bound
         blocks = torch.randint(1, 20, (8,), generator=g).tolist()
@@ -101,6 +106,36 @@ def test_decode_partials_hold_the_rows_splits_and_no_more():
             blocks.pop()
         lens = [16 * n - int(torch.randint(0, 16, (1,), generator=g)) for n in blocks]
         assert sum(map(pa.row_splits, lens)) <= pa.pool_partials(len(lens), 64 * 16)
+
+
+@pytest.mark.parametrize("lengths,window", [([20, 1100, 333, 1, 2049, 64, 65], None), ([1100, 700, 3000], 300)])
+def test_decode_writes_each_split_its_rule_counts_in_order(lengths, window):
+    """The split kernel cuts each row as ``row_splits`` counts (a row's
+    splits by its own length), row after row: into a buffer of exactly that
+    many partials poisoned with NaN, every partial in the window is written
+    and its log-sum-exp is finite; a split the kernel skipped, or one it
+    placed where the host does not count it, leaves a NaN or writes out of
+    bounds. Each partial is its split's own softmax: checked against the
+    keys its split holds."""
+    q, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 4, 2, 64, torch.float32, seed=6)
+    n = sum(map(pa.row_splits, lengths))
+    part = torch.full((n, 4, 64), float("nan"), device=q.device)
+    lse = torch.full((n, 4), float("nan"), device=q.device)
+    pa.decode_splits(q, k_pool, v_pool, tables, seq_lens, 0.125, window, None, 3, part, lse)
+    first = 0
+    for row, length in enumerate(lengths):
+        size = pa.split_len(length)
+        for s in range(pa.row_splits(length)):
+            lo, hi = max(s * size, length - (window or length)), min((s + 1) * size, length)
+            if lo >= hi:  # before the window: not computed
+                continue
+            keys = torch.zeros(length, dtype=torch.bool)
+            keys[lo:hi] = True
+            want = paged_decode_reference(q[row:row + 1], k_pool, v_pool, tables[row:row + 1],
+                                          seq_lens[row:row + 1], 0.125, keys=keys)
+            assert lse[first + s].isfinite().all(), (row, s)
+            assert rel_err(part[first + s], want[0]) < 1e-5, (row, s)
+        first += pa.row_splits(length)
 
 
 def varlen_queries(q_lens, hq, d, dtype, seed=0):
@@ -273,8 +308,9 @@ def quantized_pools(k_pool, v_pool, mode):
 @pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [
     (16, [1, 300, 40], 8, 2, 64),
     (64, [700, 129], 4, 1, 128),
-    (8, [300, 70], 4, 2, 64),      # 32 blocks a split: the split's block numbers are read ahead of its tiles
-    (512, [1100, 40], 4, 2, 64),   # two splits a block: a split starts mid-block
+    (8, [2100, 70], 4, 2, 64),     # 32 blocks a split: the split's block numbers are read ahead of its tiles
+    (8, [300, 70], 4, 2, 64),      # 8 blocks a split of 64 keys: the read-ahead stops at the split's end
+    (512, [1100, 40], 4, 2, 64),   # four splits a block: a split starts mid-block
 ])
 def test_decode_reads_int8_blocks_in_registers(block_size, lengths, hq, hkv, d):
     """The kernel on 8-bit codes and their scales computes attention over
