@@ -79,6 +79,7 @@ def test_decode_row_ignores_neighbours_table_width_and_program_count(window):
     for programs in (1, 3, 16):  # a program takes 17, 5-6 or 1-2 of the long row's splits
         assert torch.equal(pa.paged_decode(q, k_pool, v_pool, tables, seq_lens, 0.125, window,
                                            programs=programs), together)
+        assert not pa._arrivals(q.device, 6).any()  # the merging programs left their counts at zero
 
 
 def test_decode_partials_hold_the_rows_splits_and_no_more():
@@ -121,7 +122,9 @@ def test_decode_writes_each_split_its_rule_counts_in_order(lengths, window):
     n = sum(map(pa.row_splits, lengths))
     part = torch.full((n, 4, 64), float("nan"), device=q.device)
     lse = torch.full((n, 4), float("nan"), device=q.device)
-    pa.decode_splits(q, k_pool, v_pool, tables, seq_lens, 0.125, window, None, 3, part, lse)
+    out = poisoned(q)
+    pa.decode_into(out, q, k_pool, v_pool, tables, seq_lens, 0.125, window, None, 3, part, lse)
+    assert rel_err(out, paged_decode_reference(q, k_pool, v_pool, tables, seq_lens, 0.125, window)) < 1e-5
     first = 0
     for row, length in enumerate(lengths):
         size = pa.split_len(length)
