@@ -19,8 +19,9 @@ that cuts it into at most SHORT_SPLITS; SPLIT past that), so a short row
 is shared out over as many programs as a long one, and each
 split's softmax-weighted sum is computed on its own, for every query head
 of the KV group at once (the keys are read once per group, not once per
-query head), and written as its own partial with its log-sum-exp; a second
-kernel merges a row's partials in split order. The partials lie in one flat
+query head), and written as its own partial with its log-sum-exp; the last
+program of a row and KV head to finish (counted on ``_arrivals``) merges
+the group's partials in split order. The partials lie in one flat
 buffer, row after row (a row's first split after every split of the rows
 before it, ``splits_before``), so the buffer holds the step's splits, not
 rows x the longest context: ``decode_partials`` sizes it. The grid is (row, KV head,
