@@ -92,7 +92,7 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                              "pool_copies": len(calls), "constants": {k: getattr(pa, k) for k in TUNABLE}})
                 print(json.dumps(rows[-1]), flush=True)
                 del calls
-    for kernel in (pa._decode_split_kernel,):
+    for kernel in (pa._decode_split_kernel, pa._decode_merge_kernel):
         print(json.dumps({"kind": "resources", "kernel": kernel.fn.__name__, "compiled": resources(kernel)}),
               flush=True)
     return rows

@@ -19,9 +19,8 @@ that cuts it into at most SHORT_SPLITS; SPLIT past that), so a short row
 is shared out over as many programs as a long one, and each
 split's softmax-weighted sum is computed on its own, for every query head
 of the KV group at once (the keys are read once per group, not once per
-query head), and written as its own partial with its log-sum-exp; the last
-program of a row and KV head to finish (counted on ``_arrivals``) merges
-the group's partials in split order. The partials lie in one flat
+query head), and written as its own partial with its log-sum-exp; a second
+kernel merges a row's partials in split order. The partials lie in one flat
 buffer, row after row (a row's first split after every split of the rows
 before it, ``splits_before``), so the buffer holds the step's splits, not
 rows x the longest context: ``decode_partials`` sizes it. The grid is (row, KV head,
@@ -57,7 +56,7 @@ except ImportError:  # CPU installs: the reference path serves
 
 SPLIT = 256  # keys per decode split at most, each its own partial (a row's length alone sets its splits,
 SPLIT_MIN = 64  # ... at least (a tile, BLOCK_N)                   so a row's result ignores its neighbours)
-SHORT_SPLITS = 16  # a row is cut into at most this many splits while they can be shorter than SPLIT
+SHORT_SPLITS = 8  # a row is cut into at most this many splits while they can be shorter than SPLIT
 PROGRAMS_PER_SM = 4  # decode_programs: how full the grid is made
 MAX_PROGRAMS = 128  # programs per (row, KV head) at most; program z takes splits z, z + programs, ...
 MERGE_CHUNK = 32  # splits the merge reads at a time
@@ -182,15 +181,14 @@ if triton is not None:
     # count: 1 or more), so that a run compiles the kernel once per layout, never mid-run.
     @triton.jit(do_not_specialize=["stride_tb", "scale", "window", "programs"])
     def _decode_split_kernel(
-        Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart, Out, Arrivals,
-        stride_qb, stride_qh, stride_tb, stride_os, stride_oh, stride_ls, stride_lh, stride_ob, stride_oh_out,
+        Q, KPool, VPool, KScale, VScale, Tables, SeqLens, OutPart, LsePart,
+        stride_qb, stride_qh, stride_tb, stride_os, stride_oh, stride_ls, stride_lh,
         sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
         scale, window, programs,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr, BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr,
         F16_SHIFT: tl.constexpr, RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr, ROWS: tl.constexpr,
-        CHUNK: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -202,8 +200,7 @@ if triton is not None:
         size = _split_len(seq_len, SPLIT, SPLIT_MIN, SHORT)
         lo = tl.maximum(seq_len - window, 0)
         # This program's splits: z, z + programs, ... from the first in the window.
-        s_first, s_end = lo // size, tl.cdiv(seq_len, size)
-        s_begin = z + tl.cdiv(tl.maximum(s_first - z, 0), programs) * programs
+        s_begin = z + tl.cdiv(tl.maximum(lo // size - z, 0), programs) * programs
 
         g = tl.arange(0, G_PAD)
         gmask = g < G
@@ -217,7 +214,7 @@ if triton is not None:
         if F16_DOT:
             q = (q.to(tl.float32) * (1.0 / F16_SHIFT)).to(tl.float16)
             scale = scale * F16_SHIFT
-        for s in range(s_begin, s_end, programs):
+        for s in range(s_begin, tl.cdiv(seq_len, size), programs):
             # Each split its own softmax, written as its own partial: no
             # state crosses splits, so the program count never shows.
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -285,22 +282,6 @@ if triton is not None:
             tl.store(OutPart + (base + s) * stride_os + heads[:, None] * stride_oh + d[None, :],
                      acc / l_i[:, None], mask=gmask[:, None])
             tl.store(LsePart + (base + s) * stride_ls + heads * stride_lh, m_i + tl.log(l_i), mask=gmask)
-        # The merge, by the group's last program to finish its splits: each
-        # counts its arrival (after all its threads' stores: a barrier, then
-        # a release); the one that sees every other arrived (an acquire)
-        # merges and sets the count back to zero for the next launch.
-        busy = tl.minimum(programs, s_end - s_first)  # programs with a split of this row
-        merges = (s_begin < s_end) & (busy == 1)
-        if (s_begin < s_end) & (busy > 1):
-            tl.debug_barrier()
-            count = Arrivals + b * tl.num_programs(1) + kvh
-            merges = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == busy - 1
-            if merges:
-                tl.store(count, 0)
-        if merges:
-            for head in range(kvh * G, kvh * G + G):
-                _merge_head(OutPart, LsePart, Out + b * stride_ob + head * stride_oh_out, base, s_first, s_end,
-                            head * stride_oh, head * stride_lh, stride_os, stride_ls, D, CHUNK)
 
     @triton.jit
     def _scale_pairs(KScale, VScale, s_at, bmask, BLOCK_N: tl.constexpr, RUN: tl.constexpr):
@@ -318,29 +299,37 @@ if triton is not None:
         return k, v
 
     @triton.jit
-    def _merge_head(OutPart, LsePart, Out, base, first, end, part_head, lse_head, stride_ps, stride_ls,
-                    D: tl.constexpr, CHUNK: tl.constexpr):
-        """One head's partials of a row's splits [first, end), merged in split
-        order, CHUNK at a time, into ``Out`` (read past the L1: other programs
-        wrote them)."""
+    def _decode_merge_kernel(
+        OutPart, LsePart, Out, SeqLens,
+        stride_ps, stride_ph, stride_ls, stride_lh, stride_ob, stride_oh, window,
+        D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr,
+        CHUNK: tl.constexpr, ROWS: tl.constexpr,
+    ):
+        """A row's split partials, merged in split order, CHUNK at a time."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
+        base = _splits_before(SeqLens, b, SPLIT, SPLIT_MIN, SHORT, ROWS)
+        size = _split_len(seq_len, SPLIT, SPLIT_MIN, SHORT)
+        first = tl.maximum(seq_len - window, 0) // size
         d = tl.arange(0, D)
         m = tl.full([1], float("-inf"), tl.float32)
         total = tl.zeros([1], tl.float32)
         acc = tl.zeros([D], tl.float32)
-        for c in range(first, end, CHUNK):
+        for c in range(first, tl.cdiv(seq_len, size), CHUNK):
             splits = c + tl.arange(0, CHUNK)
-            smask = splits < end
-            lse = tl.load(LsePart + (base + splits) * stride_ls + lse_head, mask=smask, other=float("-inf"),
-                          cache_modifier=".cg")
-            part = tl.load(OutPart + (base + splits)[:, None] * stride_ps + part_head + d[None, :],
-                           mask=smask[:, None], other=0.0, cache_modifier=".cg")
+            smask = splits < tl.cdiv(seq_len, size)
+            lse = tl.load(LsePart + (base + splits) * stride_ls + h * stride_lh, mask=smask, other=float("-inf"))
+            part = tl.load(OutPart + (base + splits)[:, None] * stride_ps + h * stride_ph + d[None, :],
+                           mask=smask[:, None], other=0.0)
             m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the first chunk holds a split
             alpha = tl.exp(m - m_new)
             w = tl.exp(lse - m_new)
             total = total * alpha + tl.sum(w, 0)
             acc = acc * alpha + tl.sum(part * w[:, None], 0)
             m = m_new
-        tl.store(Out + d, (acc / total).to(Out.dtype.element_ty))
+        tl.store(Out + b * stride_ob + h * stride_oh + d, (acc / total).to(Out.dtype.element_ty))
+
 
     @triton.jit
     def _row_of_tile(QueryStart, num_rows, tile, BLOCK_Q: tl.constexpr):
@@ -551,7 +540,7 @@ def decode_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_size
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant,
         STAGES=STAGES if quant or not busy else STAGES_BUSY,
         F16_DOT=quant and q_dtype == torch.bfloat16, F16_SHIFT=256.0, RUN=run,
-        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1, ROWS=ROWS_CHUNK, CHUNK=MERGE_CHUNK,
+        PAIRED_SCALES=bool(PAIRED_SCALES) and run > 1, ROWS=ROWS_CHUNK,
     )
 
 
@@ -631,46 +620,37 @@ def paged_decode(
     part = torch.empty((partials, Hq, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((partials, Hq), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    if B > 0:
-        decode_into(out, q, k_pool, v_pool, block_tables, seq_lens, scale, window, scales, programs, part, lse)
+    if B == 0:
+        return out
+    decode_splits(q, k_pool, v_pool, block_tables, seq_lens, scale, window, scales, programs, part, lse)
+    _decode_merge_kernel[(B, Hq)](
+        part, lse, out, seq_lens,
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), _window(window), D=D, **split_constants(), CHUNK=MERGE_CHUNK, ROWS=ROWS_CHUNK,
+    )
     return out
 
 
-def decode_into(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
-                scales: tuple[torch.Tensor, torch.Tensor] | None, programs: int | None,
-                part: torch.Tensor, lse: torch.Tensor) -> None:
-    """``paged_decode``'s launch, its buffers given: each split's partial
-    ``part[i]`` and log-sum-exp ``lse[i]``, row after row in split order,
-    merged into ``out`` by the last program of each row and KV head."""
+def decode_splits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, window: int | None,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None, programs: int | None,
+                  part: torch.Tensor, lse: torch.Tensor) -> None:
+    """``paged_decode``'s first launch: each split's partial ``part[i]`` and
+    log-sum-exp ``lse[i]``, row after row in split order."""
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_pool.shape
     programs = programs or decode_programs(B, Hkv, q.device)
     k_scale, v_scale = scales if scales is not None else (k_pool, v_pool)
     run = _token_run(k_pool, v_pool, scales)
     _decode_split_kernel[(B, Hkv, programs)](
-        q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse, out, _arrivals(q.device, B * Hkv),
+        q, k_pool, v_pool, k_scale, v_scale, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0),
-        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), programs,
         **decode_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
         num_warps=WARPS,
     )
-
-
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 counters on ``device``, zero between launches
-    (the decode kernel's merging program sets its count back): one buffer
-    a device, grown by allocating a longer one. The shorter ones stay
-    alive, since CUDA graphs captured earlier launch with their addresses."""
-    held = _ARRIVALS.setdefault(torch.device(device), [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096, 2 * held[-1].numel() if held else 0), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 @functools.cache  # once per layer shape and tile class, not per layer and step

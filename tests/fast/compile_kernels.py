@@ -43,8 +43,10 @@ def cases():
             consts = pa.decode_constants(torch.bfloat16, 2, 128, 16, quant, run, busy=busy)
             yield (f"decode split, {pool[1:]} pool, busy={busy}", pa._decode_split_kernel,
                    {"Q": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*bf16", "VScale": "*bf16",
-                    "Tables": i64, "SeqLens": i64, "OutPart": "*fp32", "LsePart": "*fp32", "Out": "*bf16",
-                    "Arrivals": "*i32"}, consts, pa.WARPS)
+                    "Tables": i64, "SeqLens": i64, "OutPart": "*fp32", "LsePart": "*fp32"}, consts, pa.WARPS)
+    yield ("decode merge", pa._decode_merge_kernel,
+           {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*bf16", "SeqLens": i64},
+           dict(D=128, **pa.split_constants(), CHUNK=pa.MERGE_CHUNK, ROWS=pa.ROWS_CHUNK), 4)
     for pool, quant in (("*bf16", False), ("*i8", True)):
         for queries in (5, 1024):
             consts = pa.prefill_constants(torch.bfloat16, 2, 128, 16, quant, queries)

@@ -83,12 +83,12 @@ def test_decode_rows_that_share_more_keys_than_the_pool_holds_run_eager():
     step then runs eager instead of overflowing the captured buffer."""
     triton = select_backend("triton", "cuda", paged=True)
     step = step_of([1] * 8)
-    prefix = 20 * paged_attention.SPLIT  # each of 8 rows has 20 splits of SPLIT keys: 160 splits in all
-    assert paged_attention.row_splits(prefix) == 20 and paged_attention.SHORT_SPLITS == 16
+    prefix = 12 * paged_attention.SPLIT  # each of 8 rows has 12 splits of SPLIT keys: 96 splits in all
+    assert paged_attention.row_splits(prefix) == 12 and paged_attention.SHORT_SPLITS == 8
     shared = dataclasses.replace(step, seq_lens_host=(prefix,) * 8)
     # the pool's bound: its tokens // SPLIT, plus SHORT_SPLITS a row
-    assert triton.can_capture(pool_of(blocks=prefix // 16 + 8), shared) is False  # 20 + 8 * 16 = 148 < 160
-    assert triton.can_capture(pool_of(blocks=8 * prefix // 16), shared) is True  # 160 + 8 * 16
+    assert triton.can_capture(pool_of(blocks=prefix // 16 + 8), shared) is False  # 12 + 8 * 8 = 76 < 96
+    assert triton.can_capture(pool_of(blocks=8 * prefix // 16), shared) is True  # 96 + 8 * 8
 
 
 class Recorder:
