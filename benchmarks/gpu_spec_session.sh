@@ -25,7 +25,7 @@
 #           `git archive` of another commit), interleaved, ROUNDS rounds
 #   gemv    benchmarks/gemv_sweep.py: the few-row product kernel against cuBLAS, decode shapes (GEMV_ARGS: its flags)
 #   prefill the prompt-heavy row: PREFILL_PROMPTS (256) prompts of PREFILL_LENS ("1024 4096": least and most) tokens,
-#           one output token each, bf16 KV (total_tok_s is the prefill rate)
+#           one output token each, bf16 KV (prefill_tok_s: the prefill rate)
 #   hf      the 256-prompt workload against transformers' continuous batching (HF_PROMPTS of them), bf16 and fp8 KV
 # Carried (ignored paths): .now (the tree), .carry (llguidance's wheel; tokenizer.json + tokenizer_config.json
 # of SmolLM2 and Gemma 3, from the GGUF conversions in ~/.cache/pagedlm/converted).

@@ -67,7 +67,10 @@ class KVStats:
     ``kv_bytes_allocated``: bytes held by live sequences (blocks, or cache
     buffers); ``kv_bytes_live``: bytes holding tokens they attend to;
     ``kv_bytes_padded``: what a padded batch of the same rows would hold,
-    every row reserved at the longest row's prompt + max_tokens."""
+    every row reserved at the longest row's prompt + max_tokens.
+    ``prompt_tokens``: prompt tokens computed (cached ones not);
+    ``prefill_s``: seconds from the call's start to the last sequence's
+    first token (decode steps in between included)."""
 
     steps: int = 0
     kv_bytes_allocated: float = 0.0
@@ -76,6 +79,8 @@ class KVStats:
     peak_kv_bytes_allocated: int = 0
     peak_running: int = 0
     preemptions: int = 0
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
     speculation: SpecStats = field(default_factory=SpecStats)  # its counters, acceptance_rate, mean_accepted_length
 
     @property
@@ -333,6 +338,8 @@ class LLM:
                 setattr(stats, name, getattr(stats, name) / stats.steps)
         stats.preemptions = engine.num_preemptions - preempted
         stats.speculation = engine.spec_stats.since(speculated)
+        stats.prompt_tokens = sum(s.num_prompt - s.num_cached for s in seqs)
+        stats.prefill_s = max((s.first_token_at - start for s in seqs if s.first_token_at is not None), default=0.0)
         self.stats = stats
 
     # -- outputs ------------------------------------------------------------

@@ -5,7 +5,9 @@ uniform in ``[--min-len, --max-len]`` (seeded; ``--output-len N`` fixes every
 output instead: ``--output-len 1`` makes the run nearly all prefill),
 end-of-sequence ignored, all handed to ``LLM.generate`` at once. Reported:
 total output tokens / elapsed seconds, (prompt + output tokens) / elapsed
-seconds (``total_tok_s``, vLLM's "total tokens/s"), the KV figures of the run (mean bytes allocated, mean bytes holding
+seconds (``total_tok_s``, vLLM's "total tokens/s"), prompt tokens computed / seconds until
+the last prompt's first token (``prefill_tok_s``: the prefill rate of an
+``--output-len 1`` run, a lower bound on it when decode steps come between), the KV figures of the run (mean bytes allocated, mean bytes holding
 live tokens, their ratio, preemptions), and the attention backend the
 engine ran (``attention_backend``: ``torch`` or ``triton``, as resolved from
 ``--attention-backend``).
@@ -341,6 +343,7 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
                "compiled": options.compile, "async_scheduling": ran[name]["async_scheduling"],
                "output_tok_s": round(r.tok_s, 2), "elapsed_s": round(r.seconds, 3),
                "total_tok_s": round((base["input_tokens"] + r.output_tokens) / r.seconds, 2),
+               "prefill_tok_s": round(s.prompt_tokens / s.prefill_s, 2) if s.prefill_s > 0 else None,
                "output_tokens": r.output_tokens,
                "all_output_tok_s": [round(x.tok_s, 2) for x in runs[name]],
                "kernel_compiles_in_runs": [x.compiles for x in runs[name]],
@@ -381,7 +384,8 @@ def _report(args, spec, device, dtype, configs, work, hf_work, runs, ran, limits
             continue
         line = (f"{row['name']:16s} {row['num_prompts']} prompts, lengths {args.min_len}..{args.max_len}: "
                 f"{row['output_tokens']} output tokens in {row['elapsed_s']:.2f} s = "
-                f"{row['output_tok_s']:.1f} tok/s ({row['total_tok_s']:.0f} tok/s with the prompts) | KV live {100 * row['kv_live_fraction']:.1f}% of "
+                f"{row['output_tok_s']:.1f} tok/s ({row['total_tok_s']:.0f} tok/s with the prompts, "
+                f"prefill {row['prefill_tok_s'] or 0:.0f} tok/s) | KV live {100 * row['kv_live_fraction']:.1f}% of "
                 f"{row['kv_bytes_allocated'] / 2**20:.1f} MiB allocated (mean), "
                 f"preemptions {row['preemptions']}")
         if "ratio_vs_default" in row:

@@ -132,6 +132,9 @@ def test_throughput_output_len_makes_a_prefill_heavy_run(tiny, capsys):
     (row,) = rows
     assert row["output_tokens"] == row["requested_output_tokens"] == 4 and row["output_len"] == 1
     assert row["total_tok_s"] / row["output_tok_s"] == pytest.approx((row["input_tokens"] + 4) / 4, rel=1e-3)
+    # the prompts over the seconds to their last first token, which come before the run's end
+    elapsed = row["output_tokens"] / row["output_tok_s"]  # elapsed_s is rounded to the millisecond
+    assert row["prefill_tok_s"] >= row["input_tokens"] / elapsed * 0.999
     (free,) = _paged_throughput_rows(tiny, capsys)
     assert free["input_tokens"] == row["input_tokens"]  # the same prompts
     assert free["output_tokens"] > 4 and free["output_len"] is None

@@ -259,6 +259,24 @@ def test_enable_prefix_caching_is_vllms_spelling_of_prefix_caching(model, tokeni
         LLM(model, tokenizer=tokenizer, enable_prefix_caching=True)
 
 
+def test_stats_count_the_prompt_tokens_computed_and_the_seconds_to_the_last_first_token(model, tokenizer):
+    """``LLM.stats`` after ``generate``: the prompt tokens the run computed
+    (a cached prefix is not computed again) and the seconds until every
+    sequence had its first token, within the call's own time."""
+    import time
+
+    llm = LLM(model, tokenizer=tokenizer, enable_prefix_caching=True, **SMALL_POOL)
+    prompts = [[5 + i % 40 for i in range(70)], [7 + i % 30 for i in range(33)]]
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6), use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert llm.stats.prompt_tokens == 70 + 33
+    assert 0 < llm.stats.prefill_s < elapsed
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=6), use_tqdm=False)
+    block = llm.engine.options.paged_kv.block_size
+    assert llm.stats.prompt_tokens == 70 - (70 - 1) // block * block  # the full blocks came from the cache
+
+
 def test_engine_options_give_every_engine_option_at_once(model, tokenizer):
     options = EngineOptions(max_num_seqs=3, max_num_batched_tokens=40, kv_budget_bytes=1 << 22)
     llm = LLM(model, tokenizer=tokenizer, engine_options=options)
