@@ -5,9 +5,10 @@ uniform in ``[--min-len, --max-len]`` (seeded; ``--output-len N`` fixes every
 output instead: ``--output-len 1`` makes the run nearly all prefill),
 end-of-sequence ignored, all handed to ``LLM.generate`` at once. Reported:
 total output tokens / elapsed seconds, (prompt + output tokens) / elapsed
-seconds (``total_tok_s``, vLLM's "total tokens/s"), prompt tokens computed / seconds until
-the last prompt's first token (``prefill_tok_s``: the prefill rate of an
-``--output-len 1`` run, a lower bound on it when decode steps come between), the KV figures of the run (mean bytes allocated, mean bytes holding
+seconds (``total_tok_s``, vLLM's "total tokens/s"), prompt tokens computed /
+seconds until the last prompt's first token (``prefill_tok_s``: the prefill
+rate of an ``--output-len 1`` run, a lower bound on it when decode steps come
+between), the KV figures of the run (mean bytes allocated, mean bytes holding
 live tokens, their ratio, preemptions), and the attention backend the
 engine ran (``attention_backend``: ``torch`` or ``triton``, as resolved from
 ``--attention-backend``).

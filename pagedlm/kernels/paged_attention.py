@@ -229,8 +229,8 @@ if triton is not None:
                 # measured faster for them when the GPU is full.
                 first_block = (s * size) // BS
                 blocks = first_block + tl.arange(0, (SPLIT + BS - 1) // BS)
-                split_table = tl.load(Tables + b * stride_tb + blocks, other=0,
-                                      mask=(blocks * BS < tl.minimum(seq_len, (s + 1) * size)) & ((blocks + 1) * BS > lo))
+                inside = (blocks * BS < tl.minimum(seq_len, (s + 1) * size)) & ((blocks + 1) * BS > lo)
+                split_table = tl.load(Tables + b * stride_tb + blocks, mask=inside, other=0)
             for t in tl.range(0, size // BLOCK_N, num_stages=STAGES):
                 toks = s * size + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 tmask = (toks < seq_len) & (toks >= lo)
