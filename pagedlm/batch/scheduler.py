@@ -197,7 +197,10 @@ class Scheduler:
         sequence of a request at a time. A sequence without a request id is
         a request of its own. Lazy: the requests with nothing running come
         first in arrival order, so a queue of distinct requests costs only
-        the sequences admitted."""
+        the sequences admitted (and an empty queue nothing: the running
+        sequences are counted only when some wait)."""
+        if not self.waiting:
+            return
         waiting = list(self.waiting)
         running: dict[object, int] = {}
         for seq in self.running:
