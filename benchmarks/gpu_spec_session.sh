@@ -19,8 +19,9 @@
 #   profile benchmarks/gpu_profile.py (batch 1 on two shapes, and --workload) with ASYNC=0 then ASYNC=1
 #   kernels benchmarks/gpu_profile.py's device time by kernel: batch-1 graph replays (KERNELS=1, two shapes) and
 #           the 256-prompt workload's steps mid-run (--kernels), bf16 then fp8 KV
-#   sweep   benchmarks/gpu_fast.py, the decode kernel alone on the Qwen3-0.6B shape at SWEEP_CASES, one process per
-#           --set variant of SWEEP_SETS ("-": as is; NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
+#   sweep   benchmarks/gpu_fast.py, the decode kernel alone on SWEEP_SHAPES (qwen3-0.6b) at SWEEP_CASES, one process
+#           per tree of SWEEP_TREES ($NOW; e.g. ".now .ab") and --set variant of SWEEP_SETS ("-": as is;
+#           NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
 #   trees   batch-1 decode (AB_SHAPE, gemma3-270m; several shapes: each) of this tree ($NOW) against BASE (a
 #           `git archive` of another commit), interleaved, ROUNDS rounds
 #   gemv    benchmarks/gemv_sweep.py: the few-row product kernel against cuBLAS, decode shapes (GEMV_ARGS: its flags)
@@ -111,11 +112,11 @@ if has kernels; then
     2>>"$OUT/bench.err" | tee -a "$OUT/kernels.txt"
 fi
 if has sweep; then
-  for set in ${SWEEP_SETS:--}; do
-    (cd "$NOW" && PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes qwen3-0.6b \
+  for tree in ${SWEEP_TREES:-$NOW}; do for set in ${SWEEP_SETS:--}; do
+    (cd "$tree" && PYTHONPATH=. timeout 150 python3 benchmarks/gpu_fast.py --skip curve --shapes ${SWEEP_SHAPES:-qwen3-0.6b} \
       --cases ${SWEEP_CASES:-192x1024v 64x2048v} --kv ${SWEEP_KV:-none fp8} $([ "$set" = - ] || echo --set ${set//,/ })) \
-      2>>"$OUT/bench.err" | sed "s/^/[$set] /" | tee -a "$OUT/sweep.txt" | grep -E "\] kernel|copy bandwidth|resources"
-  done
+      2>>"$OUT/bench.err" | sed "s/^/[$tree $set] /" | tee -a "$OUT/sweep.txt" | grep -E "\] kernel|copy bandwidth|resources"
+  done; done
 fi
 if has trees; then
   for round in $(seq "${ROUNDS:-2}"); do for shape in ${AB_SHAPE:-gemma3-270m}; do
