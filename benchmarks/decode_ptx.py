@@ -40,7 +40,8 @@ def compile_case(pool: str, head_major: bool, quant: bool):
     ones = {"sk_dim", "sv_tok", "ss_tok"} if head_major else {"sk_dim", "sv_dim", "ss_head"}
     run = 16 if head_major else 1
     # as paged_decode launches it at batch 1; strides of 1 are constants, as Triton specializes them
-    consts = {**pa.decode_constants(torch.bfloat16, 4, 128, 16, quant, run, busy=False), **{n: 1 for n in ones}}
+    consts = {**pa.decode_constants(torch.bfloat16, 4, 128, 16, quant, run, busy=False), **{n: 1 for n in ones},
+              "PDL": bool(pa.PDL)}
     types = {"Q": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*bf16", "VScale": "*bf16", "Tables": "*i32",
              "SeqLens": "*i32", "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32", "window": "i32",
              "programs": "i32", **{n: "i32" for n in STRIDES}}

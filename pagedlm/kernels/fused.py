@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.kernels.paged_attention import KVTarget, scale_strides, triton
+from pagedlm.kernels.paged_attention import KVTarget, launch_options, scale_strides, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from pagedlm.kernels.paged_attention import write_head
+    from pagedlm.kernels.paged_attention import await_inputs, write_head
 
     @triton.jit
     def _round(x, DTYPE: tl.constexpr):
@@ -48,11 +48,12 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(X, R, W0, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
                          PRE: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
         """The norm of row ``x``; with ADD, of ``s = x + r`` (stored, rounded to
         Sum's dtype as torch's add stores it, and normed as rounded); with PRE,
         ``x`` is first normed by W0 (Gemma's norm after a sub-layer, before
         the residual add); without NORM only ``s`` is stored."""
+        await_inputs(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < n
@@ -76,12 +77,13 @@ if triton is not None:
                           sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim,
                           ss_block, ss_tok, ss_head,
                           NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, D: tl.constexpr, WRITE: tl.constexpr,
-                          BS: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
+                          BS: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr):
         """Heads below ``heads_first`` (q) take W and go to Out, the next
         ``kv_heads`` (k) W2 and Out2. With WRITE k's heads go to KPool at the
         token's slot instead, and ``kv_heads`` programs more copy V's heads
         to VPool (`paged_attention.write_head`, which quantizes with QMAX;
         a negative slot writes nothing)."""
+        await_inputs(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         is_k = h >= heads_first
@@ -139,7 +141,8 @@ if triton is not None:
         return (_round(act, DTYPE) * up).to(DTYPE)
 
     @triton.jit
-    def _act_mul_kernel(X, Out, stride_x, stride_o, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    def _act_mul_kernel(X, Out, stride_x, stride_o, n, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -148,9 +151,11 @@ if triton is not None:
         tl.store(Out + row * stride_o + offs, act_mul_of(gate, up, GELU, Out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _masked_logits_kernel(Logits, Bits, Out, stride_l, stride_b, stride_o, n, BLOCK: tl.constexpr):
+    def _masked_logits_kernel(Logits, Bits, Out, stride_l, stride_b, stride_o, n, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
         """A row's float32 logits with the tokens its int32 bitmask words
         refuse (bit ``j`` of word ``i``: token ``32 * i + j``) at -inf, a NaN too."""
+        await_inputs(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -197,7 +202,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, unit_offs
                                            res.stride(0), out.stride(0), total.stride(0), n, eps,
                                            PRE=pre_weight is not None, ADD=residual is not None,
                                            NORM=weight is not None, UNIT_OFFSET=unit_offset,
-                                           BLOCK=triton.next_power_of_2(n), enable_fp_fusion=False)
+                                           BLOCK=triton.next_power_of_2(n), enable_fp_fusion=False,
+                                           **launch_options(x.device))
     if residual is None:
         return out.view(x.shape)
     return total.view(x.shape) if weight is None else (out.view(x.shape), total.view(x.shape))
@@ -240,7 +246,7 @@ def qk_norm_rope(x: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tens
         _norm_rope_kernel[grid](x, q_weight if norm else x, k_weight if norm else x, cos, sin, q, out2,
                                 x.stride(0), x.stride(1), cos.stride(0), q.stride(0), q.stride(1),
                                 out2.stride(0), out2.stride(1), num_q, eps, *kv,
-                                NORM=norm, UNIT_OFFSET=unit_offset, D=D, **write)
+                                NORM=norm, UNIT_OFFSET=unit_offset, D=D, **write, **launch_options(x.device))
     return q, k
 
 
@@ -255,7 +261,8 @@ def act_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     if T:
         _act_mul_kernel[(T, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                    GELU=activation == "gelu_pytorch_tanh", BLOCK=block)
+                                                    GELU=activation == "gelu_pytorch_tanh", BLOCK=block,
+                                                    **launch_options(x.device))
     return out
 
 
@@ -269,5 +276,6 @@ def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     block = 1024
     if rows:
         _masked_logits_kernel[(rows, triton.cdiv(n, block))](logits, bitmask, out, logits.stride(0),
-                                                            bitmask.stride(0), out.stride(0), n, BLOCK=block)
+                                                            bitmask.stride(0), out.stride(0), n, BLOCK=block,
+                                                            **launch_options(logits.device))
     return out

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.kernels.paged_attention import triton
+from pagedlm.kernels.paged_attention import launch_options, triton
 
 ROWS = 16  # the most rows a product takes here (tl.dot's smallest side); more go to cuBLAS
 MAX_BYTES = 64 << 20  # bigger weights go to cuBLAS (the 8B's MLP and the heads: as fast or faster there)
@@ -43,6 +43,7 @@ if triton is not None:
     import triton.language as tl
 
     from pagedlm.kernels.fused import _round, act_mul_of
+    from pagedlm.kernels.paged_attention import await_inputs
 
     @triton.jit
     def _finish(acc, acc_up, B, n, n_ok, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):
@@ -58,36 +59,51 @@ if triton is not None:
         return act_mul_of(_round(acc, DTYPE), _round(acc_up, DTYPE), ACT == 2, DTYPE)
 
     @triton.jit
+    def _weight_tile(rows, up, k, K, n_ok, ACT: tl.constexpr, EVEN: tl.constexpr):
+        """The weight's columns ``k`` of the program's rows (and up's, ``up``
+        further, with ACT; else gate's again), zeros past K."""
+        mask = n_ok[:, None] if EVEN else n_ok[:, None] & (k[None, :] < K)
+        w = tl.load(rows + k[None, :], mask=mask, other=0.0)
+        if ACT != 0:
+            return w, tl.load(rows + up + k[None, :], mask=mask, other=0.0)
+        return w, w
+
+    @triton.jit
     def _row_kernel(X, W, B, Out, N, K, stride_wn, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
         """One row: ``Out[n] = sum_k X[k] * W[n, k]`` for the program's
         BLOCK_N columns (and ``W[N + n, k]``'s with ACT), products summed in
-        a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end."""
+        a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end. The first
+        weight tile is read before ``await_inputs`` (no kernel of a step
+        writes a weight): under PDL it streams in while the kernel before
+        drains. Each next tile is read after the one in hand is summed."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         rows = W + n[:, None].to(tl.int64) * stride_wn
+        w, w_up = _weight_tile(rows, N * stride_wn, tl.arange(0, BLOCK_K), K, n_ok, ACT, EVEN)
+        await_inputs(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
-                mask = n_ok[:, None]
                 x = tl.load(X + k).to(tl.float32)[None, :]
             else:
-                mask = n_ok[:, None] & (k[None, :] < K)
                 x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+            acc += w.to(tl.float32) * x
             if ACT != 0:
-                acc_up += tl.load(rows + N * stride_wn + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+                acc_up += w_up.to(tl.float32) * x
+            w, w_up = _weight_tile(rows, N * stride_wn, k + BLOCK_K, K, n_ok, ACT, False)
         y = _finish(tl.sum(acc, 1), tl.sum(acc_up, 1), B, n, n_ok, N, ACT, HAS_BIAS, Out.dtype.element_ty)
         tl.store(Out + n, y, mask=n_ok)
 
     @triton.jit
     def _rows_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om, ACT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                     IEEE: tl.constexpr, ROWS: tl.constexpr):
+                     IEEE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
         """Rows ``m < M`` (at most ROWS): ``Out[m, n] = sum_k X[m, k] * W[n, k]``
         on the tensor cores, the rows padded to ROWS (and ``W[N + n, k]``'s with ACT)."""
+        await_inputs(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, ROWS)
         m_ok = m < M
@@ -166,7 +182,7 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     m, n = out.shape
     k = weight.shape[1]
     common = dict(ACT=ACTS[act], HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                  EVEN=k % block_k == 0, num_warps=warps)
+                  EVEN=k % block_k == 0, num_warps=warps, **launch_options(rows.device))
     b = weight if bias is None else bias
     grid = (triton.cdiv(n, block_n),)
     if m == 1:

@@ -72,6 +72,7 @@ PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at mo
 PREFILL_BLOCK_N = 128  # ... and keys a tile (both halved per doubling of a row's bytes: shared memory)
 PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
 SHORT_QUERIES = 16  # a step whose rows have at most this many queries (verify rows) takes short tiles
+PDL = True  # Hopper on: the kernels launch as programmatic dependents (``launch_options``)
 
 
 def available(device: torch.device | str) -> bool:
@@ -83,15 +84,43 @@ def available(device: torch.device | str) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(device: torch.device) -> dict:
+    """The launch arguments every kernel of this package takes: on Hopper
+    (and later) each launches as a programmatic dependent of the kernel
+    before it in the stream (``launch_pdl``), so its programs are resident
+    and waiting (``await_inputs``) when that kernel drains, and a gap of
+    launch and ramp-up goes from between every two kernels of a step."""
+    on = PDL and _pdl_capable(device)
+    return dict(PDL=on, launch_pdl=on)
+
+
 # -- the key/value write -----------------------------------------------------
 
 if triton is not None:
 
     @triton.jit
+    def await_inputs(PDL: tl.constexpr):
+        """With PDL (a programmatic dependent launch): wait until the kernel
+        before has finished and its writes show, then let the kernel after
+        launch its programs (they wait here likewise). Every program calls it
+        before it reads what a kernel wrote or writes anything: the wait
+        orders a kernel after all those before only if every program of every
+        kernel makes it."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _write_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v,
                          sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
                          H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, H_PAD: tl.constexpr, QMAX: tl.constexpr,
-                         INT8: tl.constexpr):
+                         INT8: tl.constexpr, PDL: tl.constexpr):
+        await_inputs(PDL)
         t = tl.program_id(0)
         slot = tl.load(Slots + t).to(tl.int64)
         if slot >= 0:  # -1: a padded row under a CUDA graph writes nothing
@@ -189,7 +218,9 @@ if triton is not None:
         SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr, BLOCK_N: tl.constexpr,
         PRECISION: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr, F16_DOT: tl.constexpr,
         F16_SHIFT: tl.constexpr, RUN: tl.constexpr, PAIRED_SCALES: tl.constexpr, ROWS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         z = tl.program_id(2)
@@ -303,9 +334,10 @@ if triton is not None:
         OutPart, LsePart, Out, SeqLens,
         stride_ps, stride_ph, stride_ls, stride_lh, stride_ob, stride_oh, window,
         D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_MIN: tl.constexpr, SHORT: tl.constexpr,
-        CHUNK: tl.constexpr, ROWS: tl.constexpr,
+        CHUNK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
     ):
         """A row's split partials, merged in split order, CHUNK at a time."""
+        await_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -355,8 +387,9 @@ if triton is not None:
         sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
         scale, window, num_rows, min_queries,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         r = _row_of_tile(QueryStart, num_rows, tile, BLOCK_Q)
@@ -481,7 +514,8 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, k_pool: torch.Tensor, v_p
     _write_kv_kernel[(T,)](keys, values, k_pool, v_pool, k_scale, v_scale, slot_mapping,
                            keys.stride(0), values.stride(0), *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
                            H=H, D=D, BS=k_pool.shape[1], H_PAD=triton.next_power_of_2(H),
-                           QMAX=float(qmax if scales is not None else 0.0), INT8=fmt == "int8")
+                           QMAX=float(qmax if scales is not None else 0.0), INT8=fmt == "int8",
+                           **launch_options(keys.device))
 
 
 def scale_strides(scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int]:
@@ -627,6 +661,7 @@ def paged_decode(
         part, lse, out, seq_lens,
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), _window(window), D=D, **split_constants(), CHUNK=MERGE_CHUNK, ROWS=ROWS_CHUNK,
+        **launch_options(q.device),
     )
     return out
 
@@ -649,7 +684,7 @@ def decode_splits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
         *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), programs,
         **decode_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
-        num_warps=WARPS,
+        num_warps=WARPS, **launch_options(q.device),
     )
 
 
@@ -717,6 +752,6 @@ def paged_prefill(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), B, min_queries, **consts,
-        num_warps=PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else WARPS,
+        num_warps=PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else WARPS, **launch_options(q.device),
     )
     return out

@@ -7,11 +7,15 @@ int64 lengths, 2026-12-04) passes there. `test_kernels_compile.py` runs
 this in a process of its own, since the interpreter's setting is read when
 the kernels are defined.
 
+Each compiled kernel waits on the kernel before (`paged_attention.await_inputs`)
+before it stores anything or reads what a kernel wrote (`waits_first`).
+
 Usage: TRITON_INTERPRET=0 python -m tests.fast.compile_kernels  (prints one line per kernel; exit 1 on a failure)
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -26,13 +30,29 @@ TARGET = GPUTarget("cuda", 90, 32)
 FLOATS = {"scale", "eps"}
 
 
-def compile_sm90(fn, types: dict[str, str], consts: dict[str, object], num_warps: int = 4) -> None:
+def compile_sm90(fn, types: dict[str, str], consts: dict[str, object], num_warps: int = 4) -> str:
     """Compile ``fn`` for sm_90: ``types`` names its pointers' element types;
-    other arguments are int32 (floats: ``FLOATS``), ``consts`` its constants."""
+    other arguments are int32 (floats: ``FLOATS``), ``consts`` its constants,
+    and PDL on (a programmatic dependent launch: what the H100/H200 run)."""
     names = fn.arg_names
+    consts = {**consts, "PDL": True}
     signature = {n: "constexpr" if n in consts else types.get(n, "fp32" if n in FLOATS else "i32") for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "launch_pdl": True}).asm["ptx"]
+
+
+def waits_first(ptx: str, weights_first: bool) -> str | None:
+    """What a programmatic dependent launch makes unsafe in ``ptx``: a global
+    store or atomic before its first ``griddepcontrol.wait`` (or no wait),
+    or a global load before it unless ``weights_first`` (the one-row
+    product reads its first weight tile early: no kernel writes weights)."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    wait = next((i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")), None)
+    if wait is None:
+        return "no griddepcontrol.wait"
+    early = [line for line in lines[:wait] if re.search(r"\b(st|atom|red)\.global", line)
+             or (not weights_first and re.search(r"\b(ld|cp\.async)\.\S*global", line))]
+    return f"before the wait: {early[0]}" if early else None
 
 
 def cases():
@@ -88,7 +108,9 @@ def main() -> int:
     failed = 0
     for name, fn, types, consts, warps in cases():
         try:
-            compile_sm90(fn, types, consts, warps)
+            unsafe = waits_first(compile_sm90(fn, types, consts, warps), fn is gemv._row_kernel)
+            if unsafe:
+                raise RuntimeError(f"PDL: {unsafe}")
             print(f"ok {name}")
         except Exception as e:  # the compiler's error, reported by kernel
             failed += 1
