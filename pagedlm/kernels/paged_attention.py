@@ -86,7 +86,8 @@ def available(device: torch.device | str) -> bool:
 
 @functools.cache
 def _pdl_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """NVIDIA Hopper or later (ROCm's devices are "cuda" to torch too)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def launch_options(device: torch.device) -> dict:

@@ -31,6 +31,25 @@ def test_triton_imports_where_the_test_extra_installs_it():
     assert pa.available(DEVICE), f"the kernels cannot run on {DEVICE} (TRITON_INTERPRET unset without CUDA?)"
 
 
+@pytest.mark.parametrize("major,hip,switch,want", [
+    (9, None, True, True),     # Hopper
+    (10, None, True, True),    # Blackwell
+    (8, None, True, False),    # Ampere: no griddepcontrol
+    (9, "6.2", True, False),   # ROCm devices are "cuda" to torch; Triton's CUDA intrinsics are not theirs
+    (9, None, False, False),   # switched off
+])
+def test_kernels_launch_as_programmatic_dependents_on_nvidia_hopper_on(monkeypatch, major, hip, switch, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(pa, "PDL", switch)
+    pa._pdl_capable.cache_clear()
+    try:
+        assert pa.launch_options(torch.device("cuda", 0)) == {"PDL": want, "launch_pdl": want}
+        assert pa.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    finally:
+        pa._pdl_capable.cache_clear()
+
+
 @pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [
     (16, [1, 17, 300], 4, 4, 64),        # GQA 1, a one-token row, a partial last block
     (16, [513, 40], 16, 1, 64),          # GQA 16, five splits of 128 keys beside one
