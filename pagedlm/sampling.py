@@ -272,7 +272,8 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
     filled = fill_bitmask(matchers)
     taken = set(constrained)
     _pick(logits, seqs, [i for i in range(len(seqs)) if i not in taken], tokens)
-    masked, live = masked_logits(logits[constrained], matchers, filled)
+    every = len(constrained) == len(seqs)  # (no gather then: 12.6 MB at 64 rows of a 49k vocabulary)
+    masked, live = masked_logits(logits if every else logits[constrained], matchers, filled)
     picked: list[int | None] = [None] * len(constrained)
     _pick(masked, [seqs[i] for i in constrained], [j for j, ok in enumerate(live) if ok], picked)
     for i, t in zip(constrained, picked):
