@@ -159,7 +159,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            act: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` ``[..., K]`` of at most ``ROWS``
     rows (``usable``); with ``act`` (an activation ``models.layers.ACTIVATIONS``
-    names), ``fused.act_mul`` of that product: ``[..., N / 2]``."""
+    names), ``fused.act_mul`` of that product: ``[..., N / 2]``. ``weight``
+    is a model's: with PDL one row's product reads its first tile before it
+    waits for the kernel launched before it (``_row_kernel``), so no kernel
+    still running may write it."""
     n, k = weight.shape
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
