@@ -35,6 +35,10 @@ values in the values' dtype, as flash attention does.
 A sliding-window layer passes ``window``: keys older than ``seq_len -
 window`` are skipped (the query at position ``p`` sees ``p - j < window``).
 
+On Hopper every kernel here (and in ``fused`` and ``gemv``) launches as a
+programmatic dependent of the one before (``launch_options``) and waits
+for it first thing (``await_inputs``).
+
 Triton is optional: without it (a CPU-only install) the module still
 imports, ``available()`` is False and the engine uses the torch path.
 Under ``TRITON_INTERPRET=1`` the kernels run on the CPU (the tests do this).
@@ -94,8 +98,8 @@ def launch_options(device: torch.device) -> dict:
     """The launch arguments every kernel of this package takes: on Hopper
     (and later) each launches as a programmatic dependent of the kernel
     before it in the stream (``launch_pdl``), so its programs are resident
-    and waiting (``await_inputs``) when that kernel drains, and a gap of
-    launch and ramp-up goes from between every two kernels of a step."""
+    and waiting (``await_inputs``) while that kernel drains: the launch and
+    ramp-up between two kernels of a step overlap the first's tail."""
     on = PDL and _pdl_capable(device)
     return dict(PDL=on, launch_pdl=on)
 
