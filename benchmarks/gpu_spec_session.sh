@@ -24,6 +24,8 @@
 #           NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
 #   trees   batch-1 decode (AB_SHAPE, gemma3-270m; several shapes: each) of this tree ($NOW) against BASE (a
 #           `git archive` of another commit), interleaved, ROUNDS rounds
+#   workab  the 256-prompt workload (KV formats WORK_KV: "none") in this tree ($NOW) and BASE, interleaved,
+#           ROUNDS rounds (output_tok_s, prefill_tok_s)
 #   gemv    benchmarks/gemv_sweep.py: the few-row product kernel against cuBLAS, decode shapes (GEMV_ARGS: its flags)
 #   prefill the prompt-heavy row: PREFILL_PROMPTS (256) prompts of PREFILL_LENS ("1024 4096": least and most) tokens,
 #           one output token each, bf16 KV (prefill_tok_s: the prefill rate)
@@ -124,6 +126,16 @@ if has trees; then
       (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pagedlm.cli bench decode --random-weights \
         --model benchmarks/configs/$shape --device cuda --prompt-len 512 --gen-len 128 --repeats 3 \
         --json) 2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree $shape] |" | tee -a "$OUT/trees.txt" | cut -c1-300
+    done
+  done; done
+fi
+if has workab; then
+  for round in $(seq "${ROUNDS:-2}"); do for quant in ${WORK_KV:-none}; do
+    for tree in "$NOW" "${BASE:?workab: BASE names the other tree}"; do
+      (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pagedlm.cli bench throughput --random-weights \
+        --model $M/qwen3-0.6b --device cuda --num-prompts 256 --min-len 100 --max-len 1024 --seed 0 --stores paged \
+        --attention-backend triton --kv-quant $quant --json) 2>>"$OUT/bench.err" | grep '^{' \
+        | sed "s|^|[$tree $quant] |" | tee -a "$OUT/workab.txt" | cut -c1-300
     done
   done; done
 fi
