@@ -28,7 +28,8 @@ from pagedlm.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m": (4, 1, 256)}
-TUNABLE = ("SPLIT", "SPLIT_MIN", "SHORT_SPLITS", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "STAGES", "STAGES_BUSY", "WARPS", "PAIRED_SCALES")  # --set NAME=VALUE overrides (a sweep)
+TUNABLE = ("SPLIT", "SPLIT_MIN", "SHORT_SPLITS", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "STAGES", "STAGES_BUSY",
+           "WARPS", "PAIRED_SCALES", "PDL")  # --set NAME=VALUE overrides (a sweep; PDL=0: plain launches)
 
 
 TOKEN_MAJOR_SUFFIX = "-token-major"  # --kv fp8-token-major: 8-bit pools in the bf16 pools' layout
