@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from pagedlm.kernels import launch
 from pagedlm.kernels import paged_attention as pa
 
 CASES = {  # name: (pool type, values' token stride is 1 (head-major), 8-bit)
@@ -41,7 +42,7 @@ def compile_case(pool: str, head_major: bool, quant: bool):
     run = 16 if head_major else 1
     # as paged_decode launches it at batch 1; strides of 1 are constants, as Triton specializes them
     consts = {**pa.decode_constants(torch.bfloat16, 4, 128, 16, quant, run, busy=False), **{n: 1 for n in ones},
-              "PDL": bool(pa.PDL)}
+              "PDL": bool(launch.PDL)}
     types = {"Q": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*bf16", "VScale": "*bf16", "Tables": "*i32",
              "SeqLens": "*i32", "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32", "window": "i32",
              "programs": "i32", **{n: "i32" for n in STRIDES}}

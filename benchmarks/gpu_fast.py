@@ -22,14 +22,14 @@ from pagedlm.bench.common import load_random
 from pagedlm.bench.decode import copy_bandwidth
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.cache import kv_quant as kvq
+from pagedlm.kernels import launch
 from pagedlm.kernels import paged_attention as pa
 from pagedlm.options import KV_QUANT_MODES, EngineOptions, PagedKvOptions
 from pagedlm.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "gemma3-270m": (4, 1, 256)}
-TUNABLE = ("SPLIT", "SPLIT_MIN", "SHORT_SPLITS", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "STAGES", "STAGES_BUSY",
-           "WARPS", "PAIRED_SCALES", "PDL")  # --set NAME=VALUE overrides (a sweep; PDL=0: plain launches)
+TUNABLE = ("SPLIT", "SPLIT_MIN", "SHORT_SPLITS", "PROGRAMS_PER_SM", "MAX_PROGRAMS", "BLOCK_N", "STAGES", "STAGES_BUSY", "WARPS", "PAIRED_SCALES")  # --set NAME=VALUE overrides (a sweep)
 
 
 TOKEN_MAJOR_SUFFIX = "-token-major"  # --kv fp8-token-major: 8-bit pools in the bf16 pools' layout
@@ -90,7 +90,8 @@ def kernel_rows(bandwidth: float, shapes=tuple(SHAPES), cases=CASES, formats=("n
                              "lengths": "varied" if varied and varied[0] else "equal",
                              "block_size": bs, "kv": fmt, "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1),
                              "fraction_of_copy": round(nbytes / ms / 1e6 / (bandwidth / 1e9), 3),
-                             "pool_copies": len(calls), "constants": {k: getattr(pa, k) for k in TUNABLE}})
+                             "pool_copies": len(calls), "constants": {k: getattr(pa, k) for k in TUNABLE},
+                             "pdl": launch.PDL})
                 print(json.dumps(rows[-1]), flush=True)
                 del calls
     for kernel in (pa._decode_split_kernel, pa._decode_merge_kernel):
@@ -159,7 +160,9 @@ def main() -> int:
     p.add_argument("--kv", nargs="*", default=["none"], help="KV formats of the kernel rows",
                    choices=[*KV_QUANT_MODES, *(m + TOKEN_MAJOR_SUFFIX for m in kvq.QMAX)])
     p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help=f"kernel constants: {', '.join(TUNABLE)}")
+    p.add_argument("--no-pdl", action="store_true", help="plain launches (kernels.launch.PDL off)")
     args = p.parse_args()
+    launch.PDL = not args.no_pdl
     for item in args.set:
         name, value = item.split("=")
         if name not in TUNABLE:

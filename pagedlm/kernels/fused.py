@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.kernels.paged_attention import KVTarget, launch_options, scale_strides, triton
+from pagedlm.kernels.launch import launch_options
+from pagedlm.kernels.paged_attention import KVTarget, scale_strides, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from pagedlm.kernels.paged_attention import await_inputs, write_head
+    from pagedlm.kernels.launch import await_inputs
+    from pagedlm.kernels.paged_attention import write_head
 
     @triton.jit
     def _round(x, DTYPE: tl.constexpr):

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.kernels.paged_attention import launch_options, triton
+from pagedlm.kernels.launch import launch_options
+from pagedlm.kernels.paged_attention import triton
 
 ROWS = 16  # the most rows a product takes here (tl.dot's smallest side); more go to cuBLAS
 MAX_BYTES = 64 << 20  # bigger weights go to cuBLAS (the 8B's MLP and the heads: as fast or faster there)
@@ -43,7 +44,7 @@ if triton is not None:
     import triton.language as tl
 
     from pagedlm.kernels.fused import _round, act_mul_of
-    from pagedlm.kernels.paged_attention import await_inputs
+    from pagedlm.kernels.launch import await_inputs
 
     @triton.jit
     def _finish(acc, acc_up, B, n, n_ok, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):

@@ -35,9 +35,8 @@ values in the values' dtype, as flash attention does.
 A sliding-window layer passes ``window``: keys older than ``seq_len -
 window`` are skipped (the query at position ``p`` sees ``p - j < window``).
 
-On Hopper every kernel here (and in ``fused`` and ``gemv``) launches as a
-programmatic dependent of the one before (``launch_options``) and waits
-for it first thing (``await_inputs``).
+Every kernel here launches as ``kernels.launch`` says (on Hopper, as a
+programmatic dependent of the kernel before it).
 
 Triton is optional: without it (a CPU-only install) the module still
 imports, ``available()`` is False and the engine uses the torch path.
@@ -51,6 +50,8 @@ import os
 from typing import NamedTuple
 
 import torch
+
+from pagedlm.kernels.launch import launch_options
 
 try:
     import triton
@@ -76,7 +77,6 @@ PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at mo
 PREFILL_BLOCK_N = 128  # ... and keys a tile (both halved per doubling of a row's bytes: shared memory)
 PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
 SHORT_QUERIES = 16  # a step whose rows have at most this many queries (verify rows) takes short tiles
-PDL = True  # Hopper on: the kernels launch as programmatic dependents (``launch_options``)
 
 
 def available(device: torch.device | str) -> bool:
@@ -88,37 +88,10 @@ def available(device: torch.device | str) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _pdl_capable(device: torch.device) -> bool:
-    """NVIDIA Hopper or later (ROCm's devices are "cuda" to torch too)."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def launch_options(device: torch.device) -> dict:
-    """The launch arguments every kernel of this package takes: on Hopper
-    (and later) each launches as a programmatic dependent of the kernel
-    before it in the stream (``launch_pdl``), so its programs are resident
-    and waiting (``await_inputs``) while that kernel drains: the launch and
-    ramp-up between two kernels of a step overlap the first's tail."""
-    on = PDL and _pdl_capable(device)
-    return dict(PDL=on, launch_pdl=on)
-
-
 # -- the key/value write -----------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
-    def await_inputs(PDL: tl.constexpr):
-        """With PDL (a programmatic dependent launch): wait until the kernel
-        before has finished and its writes show, then let the kernel after
-        launch its programs (they wait here likewise). Every program calls it
-        before it reads what a kernel wrote or writes anything: the wait
-        orders a kernel after all those before only if every program of every
-        kernel makes it."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+    from pagedlm.kernels.launch import await_inputs
 
     @triton.jit
     def _write_kv_kernel(K, V, KPool, VPool, KScale, VScale, Slots, stride_k, stride_v,

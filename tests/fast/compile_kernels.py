@@ -7,7 +7,7 @@ int64 lengths, 2026-12-04) passes there. `test_kernels_compile.py` runs
 this in a process of its own, since the interpreter's setting is read when
 the kernels are defined.
 
-Each compiled kernel waits on the kernel before (`paged_attention.await_inputs`)
+Each compiled kernel waits on the kernel before (`kernels.launch.await_inputs`)
 before it stores anything or reads what a kernel wrote (`waits_first`).
 
 Usage: TRITON_INTERPRET=0 python -m tests.fast.compile_kernels  (prints one line per kernel; exit 1 on a failure)

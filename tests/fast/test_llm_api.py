@@ -4,6 +4,8 @@ and a byte-level tokenizer with ChatML's template (tests/fast/conftest.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from tqdm import tqdm
 
@@ -263,8 +265,6 @@ def test_stats_count_the_prompt_tokens_computed_and_the_seconds_to_the_last_firs
     """``LLM.stats`` after ``generate``: the prompt tokens the run computed
     (a cached prefix is not computed again) and the seconds until every
     sequence had its first token, within the call's own time."""
-    import time
-
     llm = LLM(model, tokenizer=tokenizer, enable_prefix_caching=True, **SMALL_POOL)
     prompts = [[5 + i % 40 for i in range(70)], [7 + i % 30 for i in range(33)]]
     t0 = time.perf_counter()

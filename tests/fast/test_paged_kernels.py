@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedlm.batch.engine import LLMEngine
+from pagedlm.kernels import launch
 from pagedlm.kernels import paged_attention as pa
 from pagedlm.params import SamplingParams
 from tests.fast.kernel_refs import (paged_decode_reference, paged_prefill_reference, requires_triton,
@@ -41,13 +42,13 @@ def test_triton_imports_where_the_test_extra_installs_it():
 def test_kernels_launch_as_programmatic_dependents_on_nvidia_hopper_on(monkeypatch, major, hip, switch, want):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(pa, "PDL", switch)
-    pa._pdl_capable.cache_clear()
+    monkeypatch.setattr(launch, "PDL", switch)
+    launch._pdl_capable.cache_clear()
     try:
-        assert pa.launch_options(torch.device("cuda", 0)) == {"PDL": want, "launch_pdl": want}
-        assert pa.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+        assert launch.launch_options(torch.device("cuda", 0)) == {"PDL": want, "launch_pdl": want}
+        assert launch.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
     finally:
-        pa._pdl_capable.cache_clear()
+        launch._pdl_capable.cache_clear()
 
 
 @pytest.mark.parametrize("block_size,lengths,hq,hkv,d", [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedlm.bench.common import load_random
-from pagedlm.kernels import paged_attention as pa
+from pagedlm.kernels import launch
 from pagedlm.llm import LLM
 from pagedlm.params import SamplingParams
 
@@ -105,18 +105,18 @@ def test_paged_fused_under_graphs_gives_the_reference_greedy_tokens(config, dtyp
 def test_programmatic_dependent_launch_changes_no_bit(loaded, monkeypatch):
     """On Hopper each kernel launches as a programmatic dependent of the one
     before and waits for it before it reads or writes
-    (`paged_attention.await_inputs`): the engine on the kernels under CUDA
+    (`kernels.launch.await_inputs`): the engine on the kernels under CUDA
     graphs gives the same tokens and logprobs, to the bit, with it off. A
     kernel that read an input or wrote an output before its wait would race
     the kernel before it. Batch 4 and batch 1 (the one-row product, which
     reads its first weight tile before the wait)."""
-    if not pa.launch_options(torch.device("cuda"))["PDL"]:
+    if not launch.launch_options(torch.device("cuda"))["PDL"]:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     model, tokenizer = loaded
     prompts = _prompts(tokenizer.vocab_size)
     results = []
     for pdl in (True, False):
-        monkeypatch.setattr(pa, "PDL", pdl)
+        monkeypatch.setattr(launch, "PDL", pdl)
         llm = LLM(model, tokenizer=tokenizer, kv_budget_bytes=BUDGET, max_num_batched_tokens=512,
                   max_model_len=MAX_MODEL_LEN, paged_kv=True, attention_backend="triton")
         assert llm.engine.graphs is not None
