@@ -13,6 +13,8 @@ the bench's own rows:
   step, median ms a call; ``step`` is the whole engine step);
 - ``step_ms``: those whole steps' median, mean, 90th percentile and
   largest (a median below the bench's mean ms a step: a few slow steps);
+  ``plain_step_ms`` the same of the steps without grammar rows (the
+  unconstrained runs' and the prefills: whether a tail is the grammar's);
 - ``gc_ms``: Python's cyclic collections during them, by generation: how
   many, and their ms in all;
 - with ``TRACE=FILE``: a `torch.profiler` trace (CPU and CUDA, Chrome's
@@ -49,6 +51,7 @@ _step, _fill_live = engine_module.LLMEngine.step, getattr(matcher_module, "_fill
 def step(self):
     if os.environ.get("PREFETCH") == "0":
         self.prefetch_masks = False
+    running = len(self.scheduler.running)
     in_grammar_step[0] = any(seq.matcher is not None for seq in self.scheduler.running)
     if os.environ.get("TRACE") and in_grammar_step[0] and len(self.scheduler.running) == 64:
         trace(counts.setdefault("traced", 0))
@@ -57,6 +60,8 @@ def step(self):
     out = _step(self)
     if in_grammar_step[0]:
         parts.setdefault("step", []).append(time.perf_counter() - t0)
+    elif running:
+        plain_steps.append(time.perf_counter() - t0)
     counts["steps"] += 1
     return out
 
@@ -102,16 +107,24 @@ def timed(name, fn):
     return wrapper
 
 
+plain_steps: list[float] = []  # the steps with rows running, none with a grammar (the unconstrained runs', prefills)
+
+
+def spread(seconds) -> list[float]:
+    """Median, mean, 90th percentile and largest of step times, ms."""
+    whole = sorted(seconds) or [0.0]
+    return [round(1000 * v, 3) for v in (statistics.median(whole), statistics.mean(whole),
+                                         whole[int(0.9 * len(whole))], whole[-1])]
+
+
 @atexit.register
 def report() -> None:
-    whole = sorted(parts.get("step", ())) or [0.0]
-    step_ms = [round(1000 * v, 3) for v in (statistics.median(whole), statistics.mean(whole),
-                                            whole[int(0.9 * len(whole))], whole[-1])]
+    step_ms, plain_ms = spread(parts.get("step", ())), spread(plain_steps)
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
     print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_rows_ms": by_thread,
-                      **({"parts_ms": timed_parts, "step_ms": step_ms} if parts else {}),
+                      **({"parts_ms": timed_parts, "step_ms": step_ms} if parts else {}), "plain_step_ms": plain_ms,
                       "gc_ms": {g: [len(v), round(1000 * sum(v), 3)] for g, v in sorted(collections.items())}}),
           flush=True)
 
