@@ -33,15 +33,33 @@ if TYPE_CHECKING:
 # Short errors: llguidance's verbose ones quote the parser's state and the whole grammar.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
+_STRING_CHAR = '[^"\\\\\\x00-\\x1F\\x7F]'  # a character a JSON string holds unescaped
+# llguidance's token slices: tokens a regex here matches (each in the first
+# that does) are allowed or refused at once where the grammar's lexer allows
+# every string the slice does, instead of walking the token trie one by one.
+# llguidance's defaults (`LLTokenizer.general_slices`: whitespace, string
+# runs of 1-10, 1-30 and any length) apply inside a string with a
+# ``maxLength`` only while 10 or more of its characters remain (30 for the
+# second): the last 9 of every bounded string, and all of one shorter than
+# 10, walked the whole trie. Finer bounds keep such masks mostly sliced. The masks are the same
+# (`test_finer_slices_give_llguidance_defaults_masks`); a bounded string's
+# steps cost less: two JSON texts of `benchmarks/configs/person.schema.json`'s
+# schema, a new row's mask at each token, 0.72x and 0.51-0.55x the time
+# (SmolLM2's tokenizer), 0.64x and 0.55x (Gemma 3's); the fill of the mask
+# bench's 16 and 64 rows 0.81x (RESULTS.md, 2026-12-06). Building the
+# tokenizer takes +0.05 / +0.2 s, once.
+SLICES = [llguidance.LLTokenizer.general_slices()[0],
+          *(f"{_STRING_CHAR}{{1,{n}}}" for n in (2, 4, 6, 10, 15, 20, 30)), f"{_STRING_CHAR}+"]
+
 
 def llguidance_tokenizer(tokenizer: "Tokenizer", vocab_size: int) -> llguidance.LLTokenizer:
     """llguidance's view of ``tokenizer`` for logits ``vocab_size`` wide: its
     vocabulary read from the tokenizer.json it wraps, ids past it (a model's
     padded embedding) never allowed, and its end-of-sequence ids (the grammar
-    allows them where the output may end)."""
+    allows them where the output may end), with the token slices `SLICES`."""
     # tokenizer.json's text: Tokenizer has no public accessor for it yet (tokenizer.py is not ours).
     return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=max(vocab_size, tokenizer.vocab_size),
-                                  eos_token=sorted(tokenizer.eos_token_ids))
+                                  eos_token=sorted(tokenizer.eos_token_ids), slices=SLICES)
 
 
 def default_lanes(device: str) -> int:

@@ -482,6 +482,45 @@ def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
     assert not got[three][1][3] and any(got[three][1])
 
 
+def test_finer_slices_give_llguidance_defaults_masks(setup):
+    """The token slices this engine gives llguidance (`compiler.SLICES`:
+    more length bounds than its defaults, so that a string near its
+    ``maxLength`` still takes its masks from slices) change no bit of any
+    mask: strings with and without bounds, walked by random allowed tokens
+    (long ones first fill the bounded strings), against a tokenizer with
+    llguidance's own slices, state by state."""
+    import llguidance
+    import numpy as np
+
+    from pagedlm.structured.compiler import SLICES, llguidance_tokenizer
+
+    tokenizer, compiler = setup
+    ours = llguidance_tokenizer(tokenizer, compiler.vocab_size)
+    theirs = ours.with_slices(llguidance.LLTokenizer.general_slices())
+    assert SLICES != llguidance.LLTokenizer.general_slices()
+    words = (compiler.width + 31) // 32
+    bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
+                                                "b": {"type": "string", "minLength": 2, "maxLength": 25},
+                                                "c": {"type": "array", "items": STR, "maxItems": 2}},
+               "required": ["a", "b", "c"], "additionalProperties": False}
+    length = np.array([len(ours.decode_bytes([t]).strip()) for t in range(ours.vocab_size)])  # whitespace aside
+    rng = np.random.default_rng(0)
+    for schema in (bounded, json.loads(open("benchmarks/configs/person.schema.json").read()), SCHEMAS[0]):
+        grammar = Constraint(json=schema).validate().llguidance_grammar()
+        pair = [llguidance.LLMatcher(t, grammar, log_level=0) for t in (ours, theirs)]
+        for _ in range(60):
+            masks = [np.zeros(words, dtype=np.int32) for _ in pair]
+            for m, mask in zip(pair, masks):
+                m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+            assert np.array_equal(*masks)
+            allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little"))
+            if pair[0].is_stopped() or not len(allowed):
+                break
+            longest = allowed[length[allowed] >= np.sort(length[allowed])[-min(len(allowed), 50)]]
+            token = int(rng.choice(longest))
+            assert all(m.consume_token(token) for m in pair)
+
+
 def wait_ready(seq: Sequence) -> None:
     wait_ready_matcher(seq.matcher)
 
