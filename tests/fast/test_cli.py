@@ -153,6 +153,7 @@ def _record_conversations(tokenizer, monkeypatch) -> list:
 
 def test_chat_ctrl_c_stops_the_reply_keeps_the_conversation_and_the_chat(tiny_load, monkeypatch, capsys):
     _, tokenizer = tiny_load
+    before = signal.getsignal(signal.SIGINT)  # Python's default_int_handler (ignored where the runner started so)
     conversations = _record_conversations(tokenizer, monkeypatch)
     # step 1 prefills "hello" and samples the first token, step 2 the second: Ctrl-C there
     steps = _chat(monkeypatch, ["hello", "and then?"], interrupt_at_step=2)
@@ -164,7 +165,7 @@ def test_chat_ctrl_c_stops_the_reply_keeps_the_conversation_and_the_chat(tiny_lo
     assert conversations[1] == [{"role": "user", "content": "hello"},
                                 {"role": "assistant", "content": first_reply},
                                 {"role": "user", "content": "and then?"}]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is Ctrl-C again
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is Ctrl-C again
 
 
 def test_chat_reset_says_so_and_starts_over(tiny_load, monkeypatch, capsys):

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXIT_S = 15  # spawn and import time on a loaded 2-core machine, plus the few seconds the fault may take
 
 SCRIPT = r'''
-import gc, os, sys, time, torch
+import gc, os, signal, sys, time, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as a terminal's process has it (not inherited ignored)
 from pagedlm import LLM, SamplingParams
 from pagedlm.models import build_model
 from tests.helpers import CharTokenizer
