@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedlm.kernels.launch import launch_options
+from pagedlm.kernels.launch import launch_options, pdl_on
 from pagedlm.kernels.paged_attention import triton
 
 ROWS = 16  # the most rows a product takes here (tl.dot's smallest side); more go to cuBLAS
-MAX_BYTES = 64 << 20  # bigger weights go to cuBLAS (the 8B's MLP and the heads: as fast or faster there)
+MAX_BYTES = 64 << 20  # bigger weights go to cuBLAS (the 8B's MLP and the heads: as fast or faster there) ...
+PDL_MAX_BYTES = 256 << 20  # ... unless launched as programmatic dependents: then the 8B's MLP too (not the heads)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTS = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
 
@@ -131,12 +132,23 @@ if triton is not None:
         tl.store(Out + m[:, None] * stride_om + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def max_bytes(device: torch.device) -> int:
+    """The largest weight ``linear`` takes on ``device``: `MAX_BYTES`, or
+    `PDL_MAX_BYTES` where its kernels launch as programmatic dependents. On
+    an H100 the 8B's MLP products (224 and 112 MiB) alone ran 1.0-1.1x
+    cuBLAS's time, and the 8B decoded 1.03x slower with them here; with
+    PDL, 0.934x (6.029 -> 5.631 ms a token, 84.0% -> 89.8% of the
+    roofline; RESULTS.md, 2026-12-06): cuBLAS's kernels break the chain of
+    dependent launches. The heads (297 MiB and up) stay with cuBLAS."""
+    return PDL_MAX_BYTES if pdl_on(device) else MAX_BYTES
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether ``linear`` takes this product: a CUDA float weight (not
-    quantized) of at most ``MAX_BYTES`` and at most ``ROWS`` rows of the same dtype."""
+    quantized) of at most ``max_bytes`` and at most ``ROWS`` rows of the same dtype."""
     return (triton is not None and weight is not None and x.is_cuda and weight.dtype == x.dtype
             and weight.dtype in DTYPES and x.numel() <= ROWS * x.shape[-1] and weight.stride(-1) == 1
-            and weight.numel() * weight.element_size() <= MAX_BYTES)
+            and weight.numel() * weight.element_size() <= max_bytes(x.device))
 
 
 def config(n: int, k: int, rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -33,13 +33,18 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_on(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` are programmatic dependents."""
+    return PDL and _pdl_capable(device)
+
+
 def launch_options(device: torch.device) -> dict:
     """The launch arguments every kernel takes: on Hopper (and later) each
     launches as a programmatic dependent of the kernel before it in the
     stream (``launch_pdl``), so its programs are resident and waiting
     (``await_inputs``) while that kernel drains: the launch and ramp-up
     between two kernels of a step overlap the first's tail."""
-    on = PDL and _pdl_capable(device)
+    on = pdl_on(device)
     return dict(PDL=on, launch_pdl=on)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedlm.batch.engine import LLMEngine
-from pagedlm.kernels import launch
+from pagedlm.kernels import gemv, launch
 from pagedlm.kernels import paged_attention as pa
 from pagedlm.params import SamplingParams
 from tests.fast.kernel_refs import (paged_decode_reference, paged_prefill_reference, requires_triton,
@@ -47,6 +47,11 @@ def test_kernels_launch_as_programmatic_dependents_on_nvidia_hopper_on(monkeypat
     try:
         assert launch.launch_options(torch.device("cuda", 0)) == {"PDL": want, "launch_pdl": want}
         assert launch.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+        # with PDL the few-row products take the 8B's MLP (its gate/up, 224 MiB) but no vocabulary head
+        # (Qwen3-0.6B's, 297 MiB, the least of the three shapes'); without, neither
+        gate_up_8b, head_qwen3 = 2 * 14336 * 4096 * 2, 151936 * 1024 * 2
+        cap = gemv.max_bytes(torch.device("cuda", 0))
+        assert (gate_up_8b <= cap) == want and head_qwen3 > cap and cap >= 3072 * 1024 * 2 * 2
     finally:
         launch._pdl_capable.cache_clear()
 

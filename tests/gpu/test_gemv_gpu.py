@@ -49,7 +49,7 @@ def test_gemv_with_the_activation_is_the_product_then_act_mul(activation, rows):
 
 def test_weights_past_max_bytes_stay_with_cublas():
     x = torch.zeros(1, 8192, device="cuda", dtype=torch.bfloat16)
-    rows = gemv.MAX_BYTES // (8192 * 2)
+    rows = gemv.max_bytes(x.device) // (8192 * 2)
     assert gemv.usable(x, torch.empty(rows, 8192, device="cuda", dtype=torch.bfloat16))
     assert not gemv.usable(x, torch.empty(rows + 1, 8192, device="cuda", dtype=torch.bfloat16))
 
