@@ -195,6 +195,10 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefixes earlier calls left cached (`LLMEngine.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
     # -- generation ---------------------------------------------------------
 
     def generate(

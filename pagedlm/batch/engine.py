@@ -717,6 +717,18 @@ class LLMEngine:
             return 0
         return self.kv_bytes([max(seq.max_len for seq in running)]) * len(running)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix that no running sequence holds: the
+        paged store's free blocks' hashes, the default store's prompt cache
+        (a bench's next repeat then computes its prompts again). True when
+        nothing stays findable (no sequence running holds a cached block)."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
+        if self.blocks is not None:
+            self.blocks.forget_free()
+            return self.blocks.num_cached == 0
+        return True
+
     def cache_stats(self) -> CacheStats:
         pc, blocks = self.prompt_cache, self.blocks
         return CacheStats(

@@ -21,7 +21,10 @@ store a second time with 8-bit blocks (``paged-int8``, gaining
 continuous batching with ``--against hf`` (every row gains
 ``hf_output_tok_s`` and ``ratio_vs_hf``).
 With ``--repeats N`` the configurations alternate run by run and the median
-is reported, so that ratios hold on a noisy machine.
+is reported, so that ratios hold on a noisy machine; each run starts with
+the engine's cached prefixes forgotten (`LLM.reset_prefix_cache`), so no
+repeat finds the prompts of the one before (before 2026-12-06 they did:
+`--repeats` medians of prompt-heavy rows counted cached prompts).
 
 What is timed: ours, ``LLM.generate`` from the call to its return, after a
 small warm-up run on the same engine; transformers, from the first
@@ -108,6 +111,7 @@ def ours(model, tokenizer, options: opt.EngineOptions, work: Workload, device: s
                      use_tqdm=False)
 
     def run() -> Run:
+        llm.reset_prefix_cache()  # each repeat computes its prompts: none finds the last repeat's blocks
         _sync(device)
         with kernel_compiles() as compiled:
             t0 = time.perf_counter()

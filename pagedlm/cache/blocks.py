@@ -222,6 +222,19 @@ class BlockManager:
             if self.pending.get(h) == seq_id:
                 del self.pending[h]
 
+    def forget_free(self) -> int:
+        """Forget the hashes of the blocks no sequence holds (vLLM's
+        ``reset_prefix_cache``): a later prompt finds only what running
+        sequences hold. How many blocks were forgotten."""
+        forgotten = 0
+        for block in self.free_blocks:
+            h = self.hash_of[block]
+            if h is not None:
+                del self.cached[h]
+                self.hash_of[block] = None
+                forgotten += 1
+        return forgotten
+
     # -- blocks ---------------------------------------------------------------
 
     def _take(self, block: int) -> None:

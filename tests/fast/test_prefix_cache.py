@@ -311,6 +311,31 @@ def test_prompt_logprobs_are_scored_even_when_the_prompt_is_cached(tiny):
     assert all(abs(a[0] - b[0]) <= ATOL for a, b in zip(warm.prompt_logprobs, cold.prompt_logprobs))
 
 
+@pytest.mark.parametrize("store", ["paged", "default"])
+def test_reset_prefix_cache_forgets_what_no_running_sequence_holds(tiny, store):
+    """`reset_prefix_cache` (a bench's repeats, vLLM's call of that name): a
+    finished request's prompt is found again until the reset, not after it,
+    and the output is the same; a prefix that a running sequence holds stays
+    findable (the call says so: False). The prompt and its one output token
+    stay inside the Gemma model's window of 8, where the default store's
+    prompt cache can take an entry back to a prefix."""
+    family, model, tok = tiny
+    (ids,) = prompts(1, seed=28, lo=6, hi=6)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    options = caching(4) if store == "paged" else EngineOptions(prompt_cache_bytes=1 << 22)
+    engine = LLMEngine(model, tok, options)
+    (first,) = run_all(engine, [ids], one)
+    (again,) = run_all(engine, [ids], one)
+    assert first.num_cached == 0 and again.num_cached > 0
+    assert engine.reset_prefix_cache()
+    (after,) = run_all(engine, [ids], one)
+    assert after.num_cached == 0 and after.output_ids == first.output_ids
+    if store == "paged":
+        engine.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True), "held")
+        engine.step()  # prefilled: its full block is committed and in its table
+        assert not engine.reset_prefix_cache() and engine.blocks.num_cached > 0
+
+
 def test_without_prefix_caching_nothing_is_shared(tiny):
     family, model, tok = tiny
     (ids,) = prompts(1, seed=27, lo=20, hi=20)
