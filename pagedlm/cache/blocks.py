@@ -222,18 +222,15 @@ class BlockManager:
             if self.pending.get(h) == seq_id:
                 del self.pending[h]
 
-    def forget_free(self) -> int:
+    def forget_free(self) -> None:
         """Forget the hashes of the blocks no sequence holds (vLLM's
         ``reset_prefix_cache``): a later prompt finds only what running
-        sequences hold. How many blocks were forgotten."""
-        forgotten = 0
+        sequences hold."""
         for block in self.free_blocks:
             h = self.hash_of[block]
             if h is not None:
                 del self.cached[h]
                 self.hash_of[block] = None
-                forgotten += 1
-        return forgotten
 
     # -- blocks ---------------------------------------------------------------
 

@@ -41,12 +41,13 @@ _STRING_CHAR = '[^"\\\\\\x00-\\x1F\\x7F]'  # a character a JSON string holds une
 # runs of 1-10, 1-30 and any length) apply inside a string with a
 # ``maxLength`` only while 10 or more of its characters remain (30 for the
 # second): the last 9 of every bounded string, and all of one shorter than
-# 10, walked the whole trie. Finer bounds keep such masks mostly sliced. The masks are the same
-# (`test_finer_slices_give_llguidance_defaults_masks`); a bounded string's
-# steps cost less: two JSON texts of `benchmarks/configs/person.schema.json`'s
-# schema, a new row's mask at each token, 0.72x and 0.51-0.55x the time
-# (SmolLM2's tokenizer), 0.64x and 0.55x (Gemma 3's); the fill of the mask
-# bench's 16 and 64 rows 0.81x (RESULTS.md, 2026-12-06). Building the
+# 10, walked the whole trie. Finer bounds keep such masks mostly sliced.
+# The masks are the same (`test_finer_slices_give_llguidance_defaults_masks`);
+# a bounded string's steps cost less: two JSON texts of
+# `benchmarks/configs/person.schema.json`'s schema, a new row's mask at each
+# token, 0.72x and 0.51-0.55x the time (SmolLM2's tokenizer), 0.64x and
+# 0.55x (Gemma 3's); the mask bench's wait for 64 rows' masks 0.81x on this
+# CPU, 0.86x on an H100's host (RESULTS.md, 2026-12-06). Building the
 # tokenizer takes +0.05 / +0.2 s, once.
 SLICES = [llguidance.LLTokenizer.general_slices()[0],
           *(f"{_STRING_CHAR}{{1,{n}}}" for n in (2, 4, 6, 10, 15, 20, 30)), f"{_STRING_CHAR}+"]
