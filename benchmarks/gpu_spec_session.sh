@@ -38,6 +38,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NOW=${NOW:-.now}; CARRY=$(pwd)/.carry
 M=benchmarks/configs
+WORK256="--random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 --min-len 100 --max-len 1024 --seed 0 --stores paged"  # nano-vllm's workload
 has() { [[ " ${STEPS:-tests spec mask} " == *" $1 "* ]]; }
 bench() {  # output file, limit, bench arguments...
   local file=$1 limit=$2; shift 2
@@ -96,8 +97,7 @@ fi
 if has ab; then
   for round in $(seq "${ROUNDS:-2}"); do
     for flag in --async-scheduling --no-async-scheduling; do
-      bench ab.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
-        --min-len 100 --max-len 1024 --seed 0 --stores paged $flag ${AB_FLAGS:-}
+      bench ab.jsonl 200 throughput $WORK256 $flag ${AB_FLAGS:-}
     done
   done
 fi
@@ -132,8 +132,7 @@ fi
 if has workab; then
   for round in $(seq "${ROUNDS:-2}"); do for quant in ${WORK_KV:-none}; do
     for tree in "$NOW" "${BASE:?workab: BASE names the other tree}"; do
-      (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pagedlm.cli bench throughput --random-weights \
-        --model $M/qwen3-0.6b --device cuda --num-prompts 256 --min-len 100 --max-len 1024 --seed 0 --stores paged \
+      (cd "$tree" && PYTHONPATH=. timeout 150 python3 -m pagedlm.cli bench throughput $WORK256 \
         --attention-backend triton --kv-quant $quant --json) 2>>"$OUT/bench.err" | grep '^{' \
         | sed "s|^|[$tree $quant] |" | tee -a "$OUT/workab.txt" | cut -c1-300
     done
@@ -145,8 +144,7 @@ if has gemv; then
 fi
 if has workload; then
   for quant in none fp8; do
-    bench workload.jsonl 200 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
-      --min-len 100 --max-len 1024 --seed 0 --stores paged --attention-backend triton --kv-quant $quant
+    bench workload.jsonl 200 throughput $WORK256 --attention-backend triton --kv-quant $quant
   done
 fi
 if has prefill; then
@@ -156,8 +154,7 @@ if has prefill; then
 fi
 if has hf; then
   for quant in none fp8; do
-    bench hf.jsonl 300 throughput --random-weights --model $M/qwen3-0.6b --device cuda --num-prompts 256 \
-      --min-len 100 --max-len 1024 --seed 0 --stores paged --attention-backend triton --kv-quant $quant \
+    bench hf.jsonl 300 throughput $WORK256 --attention-backend triton --kv-quant $quant \
       --against hf --hf-num-prompts "${HF_PROMPTS:-64}"
   done
 fi

@@ -51,7 +51,7 @@ def test_kernels_launch_as_programmatic_dependents_on_nvidia_hopper_on(monkeypat
         # (Qwen3-0.6B's, 297 MiB, the least of the three shapes'); without, neither
         gate_up_8b, head_qwen3 = 2 * 14336 * 4096 * 2, 151936 * 1024 * 2
         cap = gemv.max_bytes(torch.device("cuda", 0))
-        assert (gate_up_8b <= cap) == want and head_qwen3 > cap and cap >= 3072 * 1024 * 2 * 2
+        assert (gate_up_8b <= cap) == want and head_qwen3 > cap
     finally:
         launch._pdl_capable.cache_clear()
 

@@ -110,7 +110,7 @@ def test_programmatic_dependent_launch_changes_no_bit(loaded, monkeypatch):
     kernel that read an input or wrote an output before its wait would race
     the kernel before it. Batch 4 and batch 1 (the one-row product, which
     reads its first weight tile before the wait)."""
-    if not launch.launch_options(torch.device("cuda"))["PDL"]:
+    if not launch.pdl_on(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     model, tokenizer = loaded
     prompts = _prompts(tokenizer.vocab_size)
