@@ -4,8 +4,8 @@ list of choices or a grammar, with llguidance (docs/design/structured-output.md)
     compiler = GrammarCompiler(tokenizer, vocab_size)        # one per engine
     matcher = compiler.matcher(Constraint(json=schema).validate())
     # schedule the row once matcher.ready(); the sampler masks its logits
-    # (sampling.sample reads seq.matcher); after each token: matcher.advance(t),
-    # then end the row on matcher.is_finished ("stop") or matcher.is_dead.
+    # (sampling.sample reads seq.matcher); after each token: matcher.advance(t)
+    # says whether it ends the row ("stop": complete; "error": dead; None).
 
 `Constraint` (constraint.py) is the request's value; `GrammarCompiler`
 (compiler.py) compiles once per constraint in a thread pool; `RowMatcher`

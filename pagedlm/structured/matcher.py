@@ -87,9 +87,11 @@ class RowMatcher:
             return False
         return True
 
-    def advance(self, token: int) -> None:
+    def advance(self, token: int) -> str | None:
         """The row's sampled ``token`` is part of the output; a token the
-        grammar refuses kills the row."""
+        grammar refuses kills the row. How it ends the row: "stop" (the
+        output is complete: `is_finished`), "error" (dead: `is_dead`), or
+        None (it goes on)."""
         self._settle()
         matcher = self._live()
         if matcher is None:
@@ -97,6 +99,11 @@ class RowMatcher:
         self.version += 1
         if not matcher.consume_token(token):
             self.fail(f"token {token} is outside the grammar: {one_line(matcher.get_error())}")
+        elif matcher.is_error():
+            self.fail(one_line(matcher.get_error()))
+        else:
+            return "stop" if matcher.is_stopped() else None
+        return "error"
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` advanced tokens (a rejected speculation)."""

@@ -351,7 +351,7 @@ def test_dead_ends_are_reported_not_hung(setup, caplog):
     # A token outside the grammar (a speculative proposal, a bug) kills the row.
     seq = row(tokenizer, compiler, Constraint(choice=["yes"]), False, seed=1)
     wait_ready(seq)
-    seq.matcher.advance(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert seq.matcher.advance(tokenizer.encode("no", add_special_tokens=False)[0]) == "error"
     assert seq.matcher.is_dead and "outside the grammar" in seq.matcher.error
     # The request's own rules leave nothing the grammar allows: no token, dead.
     seq = row(tokenizer, compiler, Constraint(choice=["yes"]), False, seed=2,
@@ -372,8 +372,7 @@ def test_rollback_returns_to_an_earlier_state(setup):
     seq = row(tokenizer, compiler, Constraint(choice=["hello world", "hello there"]), False)
     wait_ready(seq)
     ids = tokenizer.encode("hello world", add_special_tokens=False)
-    for t in ids:
-        seq.matcher.advance(t)
+    assert [seq.matcher.advance(t) for t in ids] == [None] * (len(ids) - 1) + ["stop"]  # how each token ends it
     assert seq.matcher.is_finished
     seq.matcher.rollback(len(ids) - 1)
     assert not seq.matcher.is_finished
