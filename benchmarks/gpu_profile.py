@@ -7,7 +7,9 @@ its wall time split into decode steps that replay a graph, steps that run
 eagerly (prompt chunks), and within them the host parts.
 kernels: the same workload under ``torch.profiler`` for PROFILE_STEPS engine steps
 from step SKIP (mid-run: ~130 rows decoding), the device time by kernel
-(graph replays included), per step; KV=fp8 (or int8) for 8-bit pools.
+(graph replays included), per step; KV=fp8 (or int8) for 8-bit pools;
+PREFILL=1: the prompt-heavy row's workload instead (256 prompts of
+1,024-4,096 tokens, one output token each: steps of prompt chunks).
 
 ASYNC=1|0 in the environment turns async scheduling on or off (default: the
 device's default, on). Under it the host waits for the GPU in ``land`` (the
@@ -19,6 +21,7 @@ Usage (repository root, GPU machine):
     PYTHONPATH=. python3 benchmarks/gpu_profile.py --workload
     KERNELS=1 PYTHONPATH=. python3 benchmarks/gpu_profile.py [config ...]     # ... and the replay's kernels
     KV=fp8 SKIP=300 PROFILE_STEPS=20 PYTHONPATH=. python3 benchmarks/gpu_profile.py --kernels
+    PREFILL=1 SKIP=20 PROFILE_STEPS=10 PYTHONPATH=. python3 benchmarks/gpu_profile.py --kernels
 """
 
 from __future__ import annotations
@@ -92,17 +95,20 @@ def profile(config: str) -> None:
         print(f"    {name:40s} {statistics.median(xs[-100:]) * 1e3:.3f} ms")
 
 
-def workload_llm(kv_quant: str = "none"):
-    """The 256-prompt workload's LLM (warmed up), its prompts and their parameters."""
+def workload_llm(kv_quant: str = "none", prefill: bool = False):
+    """The 256-prompt workload's LLM (warmed up), its prompts and their
+    parameters; ``prefill``: the prompt-heavy row's (1,024-4,096 tokens in, 1 out)."""
     from pagedlm.bench.throughput import make_workload
     from pagedlm.llm import LLM
 
     model, tok = load_random(str(ROOT / "configs" / "qwen3-0.6b"), "cuda", torch.bfloat16)
-    work = make_workload(256, 100, 1024, 0, model.args.vocab_size)
+    work = make_workload(256, *((1024, 4096) if prefill else (100, 1024)), 0, model.args.vocab_size,
+                         output_len=1 if prefill else None)
     llm = LLM(model, tokenizer=tok, paged_kv=True, block_size=16, attention_backend="triton",
               gpu_memory_fraction=0.5, async_scheduling=ASYNC, kv_quant=kv_quant)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:8]], params[:8], use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()  # (the run finds none of the warm-up's prompts)
     return llm, [p for p, _ in work], params
 
 
@@ -111,7 +117,8 @@ def kernels() -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
 
     skip, steps = int(os.environ.get("SKIP", 300)), int(os.environ.get("PROFILE_STEPS", 20))
-    llm, prompts, params = workload_llm(os.environ.get("KV", "none"))
+    prefill = os.environ.get("PREFILL") == "1"
+    llm, prompts, params = workload_llm(os.environ.get("KV", "none"), prefill)
     engine = llm.engine
     step, rows = engine.step, []
     window = schedule(wait=skip, warmup=2, active=steps, repeat=1)
@@ -131,7 +138,7 @@ def kernels() -> None:
     args = engine.model.args
     token_bytes = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * \
         (2 if os.environ.get("KV", "none") == "none" else 1)  # (8-bit: scales not counted)
-    print_kernels(prof, steps, f"workload, KV {os.environ.get('KV', 'none')}, steps {skip + 2}..{skip + 2 + steps} "
+    print_kernels(prof, steps, f"{'prompt-heavy' if prefill else 'workload'}, KV {os.environ.get('KV', 'none')}, steps {skip + 2}..{skip + 2 + steps} "
                                f"(running rows {seen[0][0]}..{seen[-1][0]}, keys a step "
                                f"{statistics.mean(t for _, t in seen):.0f}: "
                                f"{statistics.mean(t for _, t in seen) * token_bytes / 1e9:.2f} GB of KV)")

@@ -19,6 +19,7 @@
 #   profile benchmarks/gpu_profile.py (batch 1 on two shapes, and --workload) with ASYNC=0 then ASYNC=1
 #   kernels benchmarks/gpu_profile.py's device time by kernel: batch-1 graph replays (KERNELS=1, two shapes) and
 #           the 256-prompt workload's steps mid-run (--kernels), bf16 then fp8 KV
+#   prefkernels the same for the prompt-heavy row's steps (PREFILL=1: prompt chunks, steps SKIP.. of 10)
 #   sweep   benchmarks/gpu_fast.py, the decode kernel alone on SWEEP_SHAPES (qwen3-0.6b) at SWEEP_CASES, one process
 #           per tree of SWEEP_TREES ($NOW; e.g. ".now .ab") and --set variant of SWEEP_SETS ("-": as is;
 #           NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
@@ -112,6 +113,10 @@ if has kernels; then
   (cd "$NOW" && KERNELS=1 PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py qwen3-0.6b gemma3-270m \
     && for kv in ${KV_MODES:-none fp8}; do KV=$kv PYTHONPATH=. timeout 150 python3 benchmarks/gpu_profile.py --kernels; done) \
     2>>"$OUT/bench.err" | tee -a "$OUT/kernels.txt"
+fi
+if has prefkernels; then
+  (cd "$NOW" && PREFILL=1 SKIP=${SKIP:-20} PROFILE_STEPS=10 PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py \
+    --kernels) 2>>"$OUT/bench.err" | tee -a "$OUT/kernels.txt"
 fi
 if has sweep; then
   for tree in ${SWEEP_TREES:-$NOW}; do for set in ${SWEEP_SETS:--}; do
