@@ -4,11 +4,15 @@ path it replaces (each row's blocks gathered, then SDPA alone, as
 out contiguously (what attention costs without paging: the ceiling), same
 run, same inputs. Cases: whole prompts, a chunk after a long cached prefix,
 verify-sized rows (5 queries) beside long contexts. Reports ms per layer and
-TFLOP/s of the causal work (4 * H_q * D per query-key pair seen).
-Tile variants (``VARIANTS="BM,BN,W ..."``) re-time the kernel with other
-``PREFILL_BLOCK_M``, ``PREFILL_BLOCK_N`` and warps.
+TFLOP/s of the causal work (4 * H_q * D per query-key pair seen). Where
+every row is a whole prompt without a window, also SDPA's flash kernel
+alone (``flash_sdpa``: keys contiguous, the group's heads repeated, row by
+row): what a dense causal kernel reaches on this chip.
+Tile variants (``VARIANTS="BM,BN,W[,STAGES[,HEAVY]] ..."``) re-time the kernel
+with other ``PREFILL_BLOCK_M``, ``PREFILL_BLOCK_N``, warps, pipeline stages
+(``PREFILL_STAGES``) and tile order (``PREFILL_HEAVY_FIRST``: 1 or 0).
 
-Usage (repository root, GPU machine): PYTHONPATH=. python3 benchmarks/gpu_prefill.py
+Usage (repository root, GPU machine): [SHAPES="qwen3-0.6b ..."] PYTHONPATH=. python3 benchmarks/gpu_prefill.py
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pagedlm.kernels import paged_attention as pa
 SHAPES = {"qwen3-0.6b": (16, 8, 128, None), "llama-3.1-8b": (32, 8, 128, None), "gemma3-270m": (4, 1, 256, 512)}
 CASES = {  # name: (keys per row, queries per row)
     "prompts 8 x 1024": ([1024] * 8, [1024] * 8),
+    "prompts 2 x 4096": ([4096] * 2, [4096] * 2),
     "chunk 2048 after 6144": ([8192], [2048]),
     "verify 64 x 5 at 1000": ([1000] * 64, [5] * 64),
 }
@@ -73,6 +78,21 @@ def gather_sdpa(q, k_pool, v_pool, tables, starts_host, lengths, window, scale, 
     return out
 
 
+def flash_sdpa(q, contiguous, starts_host):
+    """Each row (a whole prompt) through SDPA's flash kernel, its keys' heads repeated for the group."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = torch.empty_like(q)
+    group = q.shape[1] // contiguous[0][0].shape[1]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        for r, (k, v) in enumerate(contiguous):
+            a, b = starts_host[r], starts_host[r + 1]
+            qr = q[a:b].transpose(0, 1)[None]
+            kr, vr = (x.repeat_interleave(group, dim=1).transpose(0, 1)[None] for x in (k, v))
+            out[a:b] = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)[0].transpose(0, 1)
+    return out
+
+
 def pairs(lengths, q_lens, window):
     total = 0
     for n, m in zip(lengths, q_lens):
@@ -85,7 +105,10 @@ def pairs(lengths, q_lens, window):
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     variants = [tuple(int(x) for x in v.split(",")) for v in os.environ.get("VARIANTS", "").split()]
+    knobs = ("PREFILL_BLOCK_M", "PREFILL_BLOCK_N", "PREFILL_WARPS", "PREFILL_STAGES", "PREFILL_HEAVY_FIRST")
     for shape, (hq, hkv, d, window) in SHAPES.items():
+        if shape not in os.environ.get("SHAPES", shape).split():
+            continue
         scale = d**-0.5
         for case, (lengths, q_lens) in CASES.items():
             q, kp, vp, tables, starts, seq_lens = inputs(lengths, q_lens, hq, hkv, d, g)
@@ -105,16 +128,25 @@ def main() -> None:
                                                                    scale), warmup=5, rep=30),
                        "contiguous_sdpa": do_bench(lambda: gather_sdpa(q, kp, vp, tables, starts_host, lengths,
                                                                        window, scale, contiguous), warmup=5, rep=30)}
-            saved = (pa.PREFILL_BLOCK_M, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS)
-            for bm, bn, w in variants:
-                pa.PREFILL_BLOCK_M, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS = bm, bn, w
+            if window is None and lengths == q_lens:
+                timings["flash_sdpa"] = do_bench(lambda: flash_sdpa(q, contiguous, starts_host), warmup=5, rep=30)
+            saved = {k: getattr(pa, k) for k in knobs}
+            row["defaults"] = ",".join(str(int(v)) for v in saved.values())
+            for variant in variants:
+                name = "kernel " + ",".join(map(str, variant))
+                for knob, value in zip(knobs, variant):
+                    setattr(pa, knob, bool(value) if knob == "PREFILL_HEAVY_FIRST" else value)
                 pa.prefill_constants.cache_clear()  # the tile sizes are read there, and cached
                 try:
-                    timings[f"kernel {bm},{bn},{w}"] = do_bench(kernel, warmup=10, rep=50)
+                    err_v = ((kernel().float() - ref.float()).norm() / ref.float().norm()).item()
+                    if err_v > 10 * max(err, 1e-3):
+                        raise RuntimeError(f"relative error {err_v:.2e}")
+                    timings[name] = do_bench(kernel, warmup=10, rep=50)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
-                    row[f"kernel {bm},{bn},{w}"] = f"{type(e).__name__}"
+                    row[name] = f"{type(e).__name__}: {str(e)[:80]}"
                 finally:
-                    pa.PREFILL_BLOCK_M, pa.PREFILL_BLOCK_N, pa.PREFILL_WARPS = saved
+                    for knob, value in saved.items():
+                        setattr(pa, knob, value)
                     pa.prefill_constants.cache_clear()
             for name, ms in timings.items():
                 row[f"{name}_ms"] = round(ms, 4)

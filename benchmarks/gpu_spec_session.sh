@@ -20,6 +20,8 @@
 #   kernels benchmarks/gpu_profile.py's device time by kernel: batch-1 graph replays (KERNELS=1, two shapes) and
 #           the 256-prompt workload's steps mid-run (--kernels), bf16 then fp8 KV
 #   prefkernels the same for the prompt-heavy row's steps (PREFILL=1: prompt chunks, steps SKIP.. of 10)
+#   prefsweep benchmarks/gpu_prefill.py: the multi-query kernel against SDPA's flash kernel, PREFILL_SHAPES
+#           (qwen3-0.6b), tile variants PREFILL_VARIANTS ("BM,BN,W,STAGES,HEAVY ...")
 #   sweep   benchmarks/gpu_fast.py, the decode kernel alone on SWEEP_SHAPES (qwen3-0.6b) at SWEEP_CASES, one process
 #           per tree of SWEEP_TREES ($NOW; e.g. ".now .ab") and --set variant of SWEEP_SETS ("-": as is;
 #           NAME=VALUE,NAME=VALUE), KV formats SWEEP_KV
@@ -117,6 +119,10 @@ fi
 if has prefkernels; then
   (cd "$NOW" && PREFILL=1 SKIP=${SKIP:-20} PROFILE_STEPS=10 PYTHONPATH=. timeout 200 python3 benchmarks/gpu_profile.py \
     --kernels) 2>>"$OUT/bench.err" | tee -a "$OUT/kernels.txt"
+fi
+if has prefsweep; then
+  (cd "$NOW" && SHAPES="${PREFILL_SHAPES:-qwen3-0.6b}" VARIANTS="${PREFILL_VARIANTS:-}" PYTHONPATH=. timeout 240 \
+    python3 benchmarks/gpu_prefill.py) 2>>"$OUT/bench.err" | tee -a "$OUT/prefill_sweep.jsonl"
 fi
 if has sweep; then
   for tree in ${SWEEP_TREES:-$NOW}; do for set in ${SWEEP_SETS:--}; do

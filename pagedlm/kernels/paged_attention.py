@@ -76,6 +76,8 @@ MIN_DOT = 16  # tl.dot's smallest operand side: query heads of a group pad up to
 PREFILL_BLOCK_M = 128  # multi-query kernel: queries x group heads a tile, at most, for 256-byte query rows
 PREFILL_BLOCK_N = 128  # ... and keys a tile (both halved per doubling of a row's bytes: shared memory)
 PREFILL_WARPS = 8  # warps of a multi-query program whose tile has 64 rows or more
+PREFILL_STAGES = 3  # pipeline stages of its key-tile loops (Triton's default)
+PREFILL_HEAVY_FIRST = False  # programs take the tiles last to first: a row's last tiles (the most keys) start first
 SHORT_QUERIES = 16  # a step whose rows have at most this many queries (verify rows) takes short tiles
 
 
@@ -365,10 +367,11 @@ if triton is not None:
         sk_block, sk_tok, sk_head, sk_dim, sv_block, sv_tok, sv_head, sv_dim, ss_block, ss_tok, ss_head,
         scale, window, num_rows, min_queries,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         await_inputs(PDL)
-        tile = tl.program_id(0)
+        tile = tl.num_programs(0) - 1 - tl.program_id(0) if HEAVY_FIRST else tl.program_id(0)
         kvh = tl.program_id(1)
         r = _row_of_tile(QueryStart, num_rows, tile, BLOCK_Q)
         q_begin = tl.load(QueryStart + r)
@@ -685,7 +688,8 @@ def prefill_constants(q_dtype: torch.dtype, group: int, head_dim: int, block_siz
         block_q = min(block_q, SHORT_QUERIES)
     block_q = max(block_q, -(-MIN_DOT // g_pad))  # tl.dot wants 16 rows at least
     return dict(G=group, G_PAD=g_pad, D=head_dim, BS=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
-                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant)
+                PRECISION="ieee" if q_dtype == torch.float32 else "tf32", QUANT=quant,
+                HEAVY_FIRST=PREFILL_HEAVY_FIRST)
 
 
 def paged_prefill(
@@ -730,6 +734,7 @@ def paged_prefill(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), B, min_queries, **consts,
-        num_warps=PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else WARPS, **launch_options(q.device),
+        num_warps=PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else WARPS,
+        num_stages=PREFILL_STAGES, **launch_options(q.device),
     )
     return out

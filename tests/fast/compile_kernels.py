@@ -68,10 +68,10 @@ def cases():
            {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*bf16", "SeqLens": i64},
            dict(D=128, **pa.split_constants(), CHUNK=pa.MERGE_CHUNK, ROWS=pa.ROWS_CHUNK), 4)
     for pool, quant in (("*bf16", False), ("*i8", True)):
-        for queries in (5, 1024):
-            consts = pa.prefill_constants(torch.bfloat16, 2, 128, 16, quant, queries)
+        for queries, heavy in ((5, False), (1024, False), (1024, True)):
+            consts = {**pa.prefill_constants(torch.bfloat16, 2, 128, 16, quant, queries), "HEAVY_FIRST": heavy}
             warps = pa.PREFILL_WARPS if consts["BLOCK_Q"] * consts["G_PAD"] >= 64 else pa.WARPS
-            yield (f"prefill, {pool[1:]} pool, {queries} queries", pa._prefill_kernel,
+            yield (f"prefill, {pool[1:]} pool, {queries} queries, heavy first={heavy}", pa._prefill_kernel,
                    {"Q": "*bf16", "KPool": pool, "VPool": pool, "KScale": "*bf16", "VScale": "*bf16",
                     "Tables": i64, "QueryStart": "*i32", "SeqLens": i64, "Out": "*bf16"}, consts, warps)
     for pool, fmt in (("*bf16", "none"), ("*i8", "int8"), ("*fp8e4nv", "fp8")):

@@ -232,6 +232,23 @@ def test_prefill_row_ignores_neighbours_and_table_width():
     assert torch.equal(skipped[101:], together[101:])
 
 
+def test_prefill_tiles_taken_last_to_first_give_the_same_bits(monkeypatch):
+    """``PREFILL_HEAVY_FIRST`` only reorders the programs: each tile's
+    queries, keys and sums are its own, so every output bit is the same."""
+    lengths, q_lens = [500, 33, 90, 260], [100, 1, 90, 200]
+    _, k_pool, v_pool, tables, seq_lens = paged_inputs(lengths, 16, 8, 2, 64, torch.float32, seed=8)
+    q, starts = varlen_queries(q_lens, 8, 64, torch.float32, seed=8)
+    first_to_last = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, 200, out=poisoned(q))
+    monkeypatch.setattr(pa, "PREFILL_HEAVY_FIRST", not pa.PREFILL_HEAVY_FIRST)
+    pa.prefill_constants.cache_clear()  # (the constants are cached by shape)
+    try:
+        last_to_first = pa.paged_prefill(q, k_pool, v_pool, tables, starts, seq_lens, 0.125, 200, out=poisoned(q))
+    finally:
+        monkeypatch.undo()
+        pa.prefill_constants.cache_clear()
+    assert not first_to_last.isnan().any() and torch.equal(last_to_first, first_to_last)
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 64])
 def test_prefill_reads_int8_blocks_in_registers(block_size):
     """On 8-bit codes and their scales (head-major, as the store lays them)
