@@ -372,15 +372,15 @@ class LLMEngine:
             # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
             grammar = [seq for seq in sampled if seq.matcher is not None]
             land_first = not overlap or bool(grammar)
-            defer = overlap and bool(grammar) and self.prefetch_masks  # the pick waits for masks filled meanwhile
             if inflight is not None and land_first:
-                outputs += self._land(inflight, current, grammar if defer else ())
+                outputs += self._land(inflight, current)
             if overlap:
-                if defer:
+                if grammar and self.prefetch_masks:  # the pick waits for masks filled in the background
+                    from pagedlm.structured.matcher import prefetch_bitmasks
+
                     launched = InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, None, None,
                                         logits=logits)
-                    if inflight is None:  # (else `_land` started their fill)
-                        self._prefetch(grammar)
+                    prefetch_bitmasks([seq.matcher for seq in grammar if not seq.is_finished], pinned=logits.is_cuda)
                 elif sampled:
                     launched, ended = self._launch(logits, sampled)
                     outputs += self._end(ended, current)
@@ -392,16 +392,12 @@ class LLMEngine:
                 emitted, first = self._pick(logits, sampled)  # per sampled row: its tokens, its first logits row
                 outputs += self._settle(rows, sampled, emitted, first, logits)
         if self._grammars is not None and self.prefetch_masks and self._inflight is None:
-            self._prefetch([seq for seq in self.scheduler.running if seq.matcher is not None
-                            and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1])
+            from pagedlm.structured.matcher import prefetch_bitmasks
+
+            prefetch_bitmasks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
+                               and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1],
+                              pinned=self.device.type == "cuda")
         return outputs
-
-    def _prefetch(self, seqs: list[Sequence]) -> None:
-        """Start filling the masks of grammar rows ``seqs`` (those not
-        finished) for their next pick, in the background (`prefetch_bitmasks`)."""
-        from pagedlm.structured.matcher import prefetch_bitmasks
-
-        prefetch_bitmasks([seq.matcher for seq in seqs if not seq.is_finished], pinned=self.device.type == "cuda")
 
     def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
         """The step may be left in flight: its tokens are picked on the device
@@ -467,26 +463,18 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.output_ids.append(PENDING)
 
-    def _land(self, inflight: InFlight, current: dict[Sequence, int],
-              fill_next: list[Sequence] = ()) -> list[GenerationResponse]:
+    def _land(self, inflight: InFlight, current: dict[Sequence, int]) -> list[GenerationResponse]:
         """Read an in-flight step's tokens, answer for them and end the
         sequences they end (`_end`; ``current``: the step launched since, a
-        row per sequence). Grammar rows take their tokens first; then the
-        masks of ``fill_next`` (the grammar rows of the step launched since,
-        whose pick is deferred) start filling (`_prefetch`), so that the
-        fill overlaps the rows' text and the next step's host work (on an
-        H100 host, 64 rows: the text ~0.7 ms, the fill ~0.7 ms)."""
+        row per sequence)."""
         if inflight.ready is not None:
             inflight.ready.synchronize()
-        landed = [(seq, token) for seq, token in zip(inflight.sampled, inflight.host.tolist())
-                  if not seq.is_finished]  # (one aborted since is skipped)
-        advanced = {seq: seq.matcher.advance(token) for seq, token in landed if seq.matcher is not None}
-        if fill_next:
-            self._prefetch([seq for seq in fill_next if advanced.get(seq) is None])
         outputs = []
-        for seq, token in landed:
+        for seq, token in zip(inflight.sampled, inflight.host.tolist()):
+            if seq.is_finished:  # aborted since
+                continue
             seq.output_ids.pop()  # PENDING
-            outputs.append(self._append(seq, token, None, advanced))
+            outputs.append(self._append(seq, token, None))
         return self._end(outputs, current)
 
     def _end(self, outputs: list[GenerationResponse], current: dict[Sequence, int]) -> list[GenerationResponse]:
@@ -628,12 +616,9 @@ class LLMEngine:
         seq.prompt_logprobs += logprobs_of(logits, targets, seq.params.prompt_logprobs)
         seq.prompt_logprob_ranks += ranks_of(logits, targets)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                advanced: dict[Sequence, str | None] | None = None) -> GenerationResponse:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> GenerationResponse:
         """Add ``token`` to ``seq``; decide whether it ends it (the step ends
-        it, after committing its blocks); the text it completes. A grammar
-        row's matcher takes the token here, unless it is in ``advanced``
-        (`_land`: it took it, and that ended it so or not)."""
+        it, after committing its blocks); the text it completes."""
         first = seq.first_token_at is None
         if first:
             seq.first_token_at = time.perf_counter()
@@ -652,8 +637,7 @@ class LLMEngine:
             text, hit = seq.stops.feed(piece) if stopping else (piece, None)
             if hit is not None:
                 finish, seq.stop_reason = "stop", hit
-            elif seq.matcher is not None and (end := advanced[seq] if advanced is not None and seq in advanced
-                                              else seq.matcher.advance(token)) is not None:
+            elif seq.matcher is not None and (end := seq.matcher.advance(token)) is not None:  # "stop", "error"
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
                 finish = end
             elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:

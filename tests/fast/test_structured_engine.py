@@ -211,40 +211,6 @@ def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens
     assert (sum(taken) > len(taken) / 2) if deferred else not any(taken)
 
 
-def test_a_deferred_step_starts_the_next_masks_before_the_landed_rows_text(model, tokenizer, monkeypatch):
-    """With the pick deferred, a step lands the tokens in flight and starts
-    the grammar rows' next fill as soon as their matchers took them, before
-    the landed rows' text (detokenizing, stop strings): the fill overlaps
-    that work. A row its grammar ends there gets no fill."""
-    import pagedlm.structured.matcher as matcher_module
-
-    engine = _engine(model, tokenizer, STORES["paged"], True, deferred=True)
-    (seq,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{6}")))
-    (short,) = engine.add_request(tokenizer.encode("q"), constrained(dict(choice=["a", "b"])))  # ends at its 1st
-    events, prefetch, append = [], matcher_module.prefetch_bitmasks, LLMEngine._append
-
-    def prefetching(matchers, pinned=False):
-        events.append(("fill", [m.version for m in matchers], [m is short.matcher for m in matchers]))
-        return prefetch(matchers, pinned)
-
-    def appending(self, s, token, logprob, advanced=None):
-        events.append(("text", s.matcher.version, None))
-        return append(self, s, token, logprob, advanced)
-    monkeypatch.setattr(matcher_module, "prefetch_bitmasks", prefetching)
-    monkeypatch.setattr(LLMEngine, "_append", appending)
-    while engine.has_unfinished():
-        engine.step()
-    assert re.fullmatch("[a-z]{6}", seq.text) and short.text in ("a", "b")
-    assert len(seq.output_ids) > 2
-    # each landing of seq's tokens but its last: its fill for the next token (version k), then the text of token k
-    for k in range(1, len(seq.output_ids)):
-        fill = next(i for i, e in enumerate(events) if e[0] == "fill" and k in e[1])
-        text = next(i for i, e in enumerate(events) if e[0] == "text" and e[1] == k)
-        assert fill < text, (k, events)
-    assert short.finish_reason == "stop" and short.matcher.version == 1
-    assert not any(v == 1 and is_short for e in events if e[0] == "fill" for v, is_short in zip(e[1], e[2]))
-
-
 @pytest.mark.parametrize("deferred", [False, True], ids=["picked", "deferred"])
 def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(model, tokenizer, monkeypatch, deferred):
     """A grammar row whose mask allows nothing at a step in flight (a parser
