@@ -138,7 +138,8 @@ def kernels() -> None:
     args = engine.model.args
     token_bytes = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * \
         (2 if os.environ.get("KV", "none") == "none" else 1)  # (8-bit: scales not counted)
-    print_kernels(prof, steps, f"{'prompt-heavy' if prefill else 'workload'}, KV {os.environ.get('KV', 'none')}, steps {skip + 2}..{skip + 2 + steps} "
+    print_kernels(prof, steps, f"{'prompt-heavy' if prefill else 'workload'}, KV {os.environ.get('KV', 'none')}, "
+                               f"steps {skip + 2}..{skip + 2 + steps} "
                                f"(running rows {seen[0][0]}..{seen[-1][0]}, keys a step "
                                f"{statistics.mean(t for _, t in seen):.0f}: "
                                f"{statistics.mean(t for _, t in seen) * token_bytes / 1e9:.2f} GB of KV)")
