@@ -374,7 +374,7 @@ def cmd_generate(args) -> int:
     engine = LLMEngine(model, tokenizer, engine_options)
     print(f"pagedlm: {describe_store(engine)}", file=sys.stderr)
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []  # ('' too)
         ids = tokenizer.encode_chat(messages + [{"role": "user", "content": prompt}])
     else:
         ids = tokenizer.encode(prompt)
@@ -471,7 +471,7 @@ def cmd_chat(args) -> int:
     model, tokenizer = _load(args)
     engine = LLMEngine(model, tokenizer, engine_options)
     print(f"pagedlm: {describe_store(engine)}", file=sys.stderr)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []  # ('' too)
     print("Type a message; Ctrl-C stops a reply, Ctrl-D or /exit quits, /reset starts over.", file=sys.stderr)
     while True:
         try:
@@ -487,7 +487,7 @@ def cmd_chat(args) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages = messages[:1] if args.system is not None else []
             print("conversation reset", file=sys.stderr)
             continue
         if not line.strip():

@@ -290,13 +290,13 @@ def build_app(planner: "Planner", lane: EngineLoop, metrics: Metrics, options: "
 
 
 def _has_key(body: bytes, key: str) -> bool:
-    """Whether ``body`` is a JSON object with ``key`` (a body that is not
-    JSON is left for `parse` to refuse)."""
+    """Whether ``body`` is a JSON object with ``key`` not null (a body that
+    is not JSON is left for `parse` to refuse)."""
     try:
         data = json.loads(body)
     except ValueError:
         return False
-    return isinstance(data, dict) and key in data
+    return isinstance(data, dict) and data.get(key) is not None
 
 
 # -- /openapi.json ------------------------------------------------------------

@@ -135,6 +135,9 @@ class Planner:
         if req.prompt_logprobs is not None and req.stream:
             raise APIError(400, "prompt_logprobs cannot be streamed: ask without stream",
                            param="prompt_logprobs")
+        if req.stream_options is not None and not req.stream:  # (as vLLM and OpenAI)
+            raise APIError(400, "stream_options is only for a streamed response (stream: true)",
+                           param="stream_options")
 
     def _constraint(self, req: _GenerationRequest,
                     tool_call: tuple[str, "Constraint | None"] = ("", None)) -> "Constraint | None":
@@ -339,7 +342,7 @@ class Planner:
                 if any(part.type != "text" or part.text is None for part in content):
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    param=f"messages[{i}].content")
-                content = "".join(part.text for part in content)
+                content = "\n".join(part.text for part in content)  # (as vLLM joins them)
             message = {"role": CHAT_ROLES[m.role], "content": content}
             if m.name is not None:
                 message["name"] = m.name

@@ -177,6 +177,18 @@ def test_chat_reset_says_so_and_starts_over(tiny_load, monkeypatch, capsys):
     assert conversations[1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yo"}]
 
 
+def test_an_empty_system_message_is_a_system_message(tiny_load, monkeypatch):
+    """--system '' sends an empty system turn (the template's default system prompt does not
+    replace it), as the server does with {"role": "system", "content": ""}."""
+    _, tokenizer = tiny_load
+    conversations = _record_conversations(tokenizer, monkeypatch)
+    _chat(monkeypatch, ["hi", "/reset", "yo"])
+    assert main(["chat", "--max-tokens", "2", "--system", ""]) == 0
+    assert conversations[1] == [{"role": "system", "content": ""}, {"role": "user", "content": "yo"}]
+    assert main(["generate", "--chat", "--max-tokens", "2", "--system", "", "hi"]) == 0
+    assert conversations[-1] == [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}]
+
+
 # ---------------------------------------------------------------- constraints
 
 

@@ -266,6 +266,13 @@ def test_tokenize_and_detokenize_round_trip(client, tokenizer):
     error_of(client.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
     error_of(client.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True}), 400,
              "add_special_tokens")
+    # messages: null is no messages (a field sent as null is a field not sent)
+    assert client.post("/tokenize", json={"prompt": "hello world", "messages": None}).json()["tokens"] == body["tokens"]
+    # text parts join with newlines, as vLLM joins them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    joined = [{"role": "user", "content": "a\nb"}]
+    assert client.post("/tokenize", json={"messages": parts}).json() == \
+        client.post("/tokenize", json={"messages": joined}).json()
 
 
 def test_models_by_id(client):
