@@ -180,12 +180,7 @@ class LLMEngine:
             except PoolTooSmall as e:
                 if options.max_model_len is not None or e.tokens == 0:  # the user's length: refused with the numbers
                     raise
-                # The model's context was only the default: lower it to what the pools hold (vLLM refuses;
-                # a bench or server on a smaller GPU then runs with default flags).
-                print(f"pagedlm: max_model_len lowered from the model's {self.max_model_len} to {e.tokens} "
-                      f"tokens, what the KV budget holds (--max-model-len or --kv-budget-bytes to choose)",
-                      file=sys.stderr, flush=True)
-                self.max_model_len = e.tokens
+                self._lower_max_model_len(e.tokens)
                 self.layout = layout = plan(max_model_len=self.max_model_len)
         except OptionError as e:
             if sizing is options:
@@ -202,6 +197,13 @@ class LLMEngine:
         self.store = getattr(model, "make_store", KVStore)(layout, pools, backend)
         self.admission = (BlockAdmission(self.blocks, self.store) if self.blocks is not None
                           else ByteAdmission(layout, self.store, self.prompt_cache, self.max_num_batched_tokens))
+        if self.blocks is None and (held := self.admission.longest_held(self.max_model_len)) < self.max_model_len:
+            if held == 0:
+                raise OptionError(f"the KV budget ({layout.budget_bytes} bytes) holds no sequence: a "
+                                  f"sequence's first keys take {self.admission.projected_bytes(1)} bytes; "
+                                  f"raise --kv-budget-bytes")
+            if options.max_model_len is None:  # (the user's length stays: longer requests are refused one by one)
+                self._lower_max_model_len(held)
         self.graphs = capture_graphs(model, self.store, options, self.max_num_seqs, self.max_model_len)
         self.verify_graphs = None
         if self.graphs is not None and options.speculative is not None:  # verify steps: every row checks k tokens
@@ -226,6 +228,16 @@ class LLMEngine:
         # Async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host.
         self.async_scheduling = async_scheduling_on(options, kind)
         self._inflight: InFlight | None = None
+
+    def _lower_max_model_len(self, tokens: int) -> None:
+        """The model's context was only the default: lower it to the ``tokens``
+        one sequence of the KV budget holds (vLLM refuses; a bench or server on
+        a smaller GPU, or on the CPU's default budget, then runs with default
+        flags, and a chat without max_tokens fits)."""
+        print(f"pagedlm: max_model_len lowered from the model's {self.max_model_len} to {tokens} "
+              f"tokens, what the KV budget holds (--max-model-len or --kv-budget-bytes to choose)",
+              file=sys.stderr, flush=True)
+        self.max_model_len = tokens
 
     def _proposer(self, draft: torch.nn.Module | None):
         """The ``--speculative`` proposer: prompt lookup, or the draft model's."""

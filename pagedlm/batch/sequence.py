@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,17 @@ TokenLogprob = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob,
 # Async scheduling: the output's last entry while its token is sampled on the
 # device and not yet known to the host (the next step feeds it from there).
 PENDING = -1
+
+
+def generator_seed(seed: int) -> int:
+    """What seeds a row's CPU generator for ``seed`` (-2**63 to 2**64 - 1):
+    torch's Mersenne Twister keeps 32 bits of a seed, so seeds 2**32 apart
+    would draw alike. Below 2**32 (as an unsigned 64-bit value) the seed
+    itself; above, a hash of all 64 bits."""
+    unsigned = seed % 2**64
+    if unsigned < 2**32:
+        return unsigned
+    return int.from_bytes(hashlib.blake2b(unsigned.to_bytes(8, "little"), digest_size=4).digest(), "little")
 
 
 class SequenceStatus(enum.Enum):
@@ -109,7 +121,7 @@ class Sequence:
             # and whatever shares the batch.
             self.generator = torch.Generator("cpu")
             if params.seed is not None:
-                self.generator.manual_seed(params.seed)
+                self.generator.manual_seed(generator_seed(params.seed))
             else:
                 self.generator.seed()
         self.draft: list[int] = []  # this step's proposed tokens (speculative decoding)

@@ -173,6 +173,18 @@ class ByteAdmission:
                 total += per_token * min(max_len + STEP, spec.window + self.max_num_batched_tokens)
         return total
 
+    def longest_held(self, limit: int) -> int:
+        """The most tokens, up to ``limit``, of one sequence the budget holds
+        (0: not one growth step's worth)."""
+        lo, hi = 0, limit  # projected_bytes grows with the length: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.projected_bytes(mid) <= self.layout.budget_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def check_fits(self, num_prompt: int, max_tokens: int) -> None:
         need = self.projected_bytes(num_prompt + max_tokens)
         if need > self.layout.budget_bytes:

@@ -250,8 +250,8 @@ class Planner:
         ``rename``: request fields that `SamplingParams` calls otherwise."""
         scoring = max_tokens == 0 and echo_texts is not None
         if max_tokens is not None and max_tokens < 1 and not scoring:
-            raise APIError(400, f"{max_param} must be >= 1 (got {max_tokens}); 0 only with echo",
-                           param=max_param)
+            raise APIError(400, f"{max_param} must be >= 1 (got {max_tokens})"
+                           + ("; 0 only with echo" if isinstance(req, CompletionRequest) else ""), param=max_param)
         limit = self.max_model_len
         n = req.n or 1
         keep = options.truncate_prompt_tokens

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_serializer
+from pydantic_core import PydanticCustomError
 
 from pagedlm.options import SEED_MAX, SEED_MIN
 
@@ -112,6 +113,15 @@ def _integral(value: Any) -> Any:
 # An integer field: a JSON integer, or a number with no fractional part (1.0);
 # never 1.5, "1" or true.
 Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _seed_range(value: int) -> int:
+    if not SEED_MIN <= value <= SEED_MAX:  # (pydantic's own bound prints 2**64 - 1 as a float)
+        raise PydanticCustomError("out_of_range", "Input should be an integer from -2**63 to 2**64 - 1")
+    return value
+
+
+Seed = Annotated[Int, AfterValidator(_seed_range)]
 
 
 def _off(*noop: Any) -> Callable[[Any], bool]:
@@ -219,7 +229,7 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None

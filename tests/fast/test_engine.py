@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedlm.batch.engine import LLMEngine
+from pagedlm.batch.engine import LLMEngine, model_context_length
 from pagedlm.batch.solo import Solo
 from pagedlm.options import EngineOptions, OptionError, PagedKvOptions, RequestTooLarge
 from pagedlm.params import SamplingParams
@@ -232,10 +232,30 @@ def test_requests_that_can_never_fit_are_refused_when_added(tiny):
     assert capacity < 512
     with pytest.raises(OptionError, match="max_model_len"):
         engine.add_request([5] * 60, SamplingParams(max_tokens=10))
-    default = LLMEngine(model, tok, EngineOptions(kv_budget_bytes=1 << 12))
-    with pytest.raises(RequestTooLarge, match="KV budget is 4096 bytes"):
-        default.add_request([5] * 10, SamplingParams(max_tokens=100))
-    assert not engine.has_unfinished() and not default.has_unfinished()
+    one_step = LLMEngine(model, tok).admission.projected_bytes(256)  # the room of a sequence's first 256 tokens
+    default = LLMEngine(model, tok, EngineOptions(kv_budget_bytes=one_step, max_model_len=512))
+    assert default.max_model_len == 512  # the user's length stays; what the budget cannot hold is refused
+    with pytest.raises(RequestTooLarge, match=f"KV budget is {one_step} bytes"):
+        default.add_request([5] * 10, SamplingParams(max_tokens=300))
+    default.add_request([5] * 10, SamplingParams(max_tokens=246))
+    assert not engine.has_unfinished() and default.has_unfinished()
+
+
+def test_the_default_store_lowers_the_models_context_to_what_its_budget_holds(tiny, capsys):
+    """As the paged store does: the model's context was only a default, so a
+    chat without max_tokens (all the context left) still fits; a budget that
+    holds no sequence is refused at startup."""
+    family, model, tok = tiny
+    assert model_context_length(model) == 512
+    one_step = LLMEngine(model, tok).admission.projected_bytes(256)
+    engine = LLMEngine(model, tok, EngineOptions(kv_budget_bytes=one_step))
+    assert engine.max_model_len == 256
+    assert "max_model_len lowered from the model's 512 to 256 tokens" in capsys.readouterr().err
+    engine.check_fits(6, 250)
+    with pytest.raises(OptionError, match="max_model_len"):
+        engine.check_fits(6, 251)
+    with pytest.raises(OptionError, match=r"the KV budget \(4096 bytes\) holds no sequence"):
+        LLMEngine(model, tok, EngineOptions(kv_budget_bytes=4096))
 
 
 def test_a_budget_smaller_than_one_max_length_sequence_is_refused_at_startup(tiny):

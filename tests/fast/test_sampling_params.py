@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedlm.batch.engine import LLMEngine
 from pagedlm.loading import gguf as conv
@@ -230,6 +231,22 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(name):
 def test_the_largest_seeds_run_with_n_continuations():
     seqs = run(SamplingParams(n=2, seed=2**64 - 1, temperature=1.0, max_tokens=3, ignore_eos=True))
     assert len(seqs) == 2 and seqs[0].output_ids != seqs[1].output_ids
+
+
+def test_seeds_2_to_the_32_apart_draw_differently():
+    """torch's CPU generator keeps 32 bits of a seed: seeds of 2**32 and more (a negative one read
+    as its unsigned 64-bit value, as torch reads it) are hashed into 32 bits, smaller ones kept."""
+    def first_draws(seed):
+        (seq,) = run(SamplingParams(seed=seed, temperature=1.0, max_tokens=1, ignore_eos=True))
+        return seq.generator.initial_seed(), torch.rand(8, generator=seq.generator).tolist()
+
+    assert first_draws(7)[0] == 7 and first_draws(2**32 - 1)[0] == 2**32 - 1
+    assert first_draws(-1) == first_draws(2**64 - 1)  # one 64-bit value
+    seeds = [2**64 - 1, 2**63 - 1, 2**63, -(2**62), 5 + 2**32, 5 + 2**33]
+    draws = [first_draws(seed) for seed in seeds]
+    assert all(s < 2**32 for s, _ in draws) and len({s for s, _ in draws}) == len(seeds)
+    assert len({tuple(d) for _, d in draws}) == len(seeds)
+    assert first_draws(2**63 - 1) == draws[1]  # still the same seed, the same draws
 
 
 # ---------------------------------------------------------------- special tokens

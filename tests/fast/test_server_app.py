@@ -313,3 +313,16 @@ def test_bad_input_is_a_400_naming_the_field(client, case):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = client.post(path, content=content, headers={"Content-Type": "application/json"})
     assert error_of(r, status, param)["message"]
+
+
+def test_a_seed_out_of_range_is_refused_with_the_range(client):
+    for seed in (2**64, -(2**63) - 1):
+        r = client.post("/v1/completions", json={"prompt": "x", "seed": seed})
+        assert "an integer from -2**63 to 2**64 - 1" in error_of(r, 400, "seed")["message"]
+
+
+def test_max_tokens_0_mentions_echo_only_where_echo_exists(client):
+    r = client.post("/v1/chat/completions", json={"messages": _CHAT, "max_tokens": 0})
+    assert "echo" not in error_of(r, 400, "max_tokens")["message"]
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert "0 only with echo" in error_of(r, 400, "max_tokens")["message"]
