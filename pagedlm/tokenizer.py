@@ -173,6 +173,23 @@ class Tokenizer:
             return [bos, *ids]
         return ids
 
+    def encode_as_text(self, text: str) -> list[int]:
+        """``text``'s tokens with no special token parsed out of it:
+        ``"<|im_start|>"`` in it is its characters' tokens (what a grammar
+        engine's forced text is), not the control token. Thread-safe."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        if not self.control_token_ids.intersection(ids):
+            return ids
+        return self._as_text.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _as_text(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that takes special tokens' spellings as text
+        (built when first needed: a large vocabulary's copy takes a second)."""
+        tk = tokenizers.Tokenizer.from_str(self._tk.to_str())
+        tk.encode_special_tokens = True
+        return tk
+
     @cached_property
     def control_token_ids(self) -> frozenset[int]:
         """The tokenizer's special added tokens (control tokens, in a GGUF):

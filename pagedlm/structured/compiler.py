@@ -7,14 +7,15 @@ so its LRU, keyed by `Constraint.key`, is keyed by constraint and tokenizer.
 with the same constraint shares the first one's compile, finished or not,
 and a row never waits for one.
 
-The first compile also builds llguidance's tokenizer (every token's bytes,
-a trie): 0.3 s for SmolLM2's 49k tokens, 3 s for Gemma 3's 262k on one CPU
-core. That call holds the GIL (the rest of a compile drops it), so the step
+The first compile also builds llguidance's tokenizer (`llguidance_tokenizer`:
+every token's bytes, a trie): 0.5 s for SmolLM2's 49k tokens, about 5 s for
+Gemma 3's 262k on one CPU core. That call holds the GIL (the rest of a compile drops it), so the step
 loop stalls once for it; `warm_up` pays it at startup instead.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -53,13 +54,45 @@ SLICES = [llguidance.LLTokenizer.general_slices()[0],
           *(f"{_STRING_CHAR}{{1,{n}}}" for n in (2, 4, 6, 10, 15, 20, 30)), f"{_STRING_CHAR}+"]
 
 
+class _TextTokenizer:
+    """What llguidance reads of a tokenizer (`llguidance.TokenizerWrapper`'s
+    fields and call): each token's bytes, the special ids (ours:
+    `Tokenizer.special_token_ids`), and text tokenized as text
+    (`Tokenizer.encode_as_text`).
+
+    Built from tokenizer.json alone, llguidance tokenizes forced text (its
+    canonical first token where the grammar forces bytes) with special
+    tokens parsed out of it, and counts every added token shaped ``<...>``
+    as special: a grammar forcing ``<tool_call>`` (an added token of Qwen's
+    tokenizers, not special) or the text ``<|im_start|>`` allowed only that
+    token, which it then refused as not the forced text, and the row ended
+    "error" at its first token. Here an added token that is not special is
+    a token spelling its text. The bytes are llguidance's own (read back
+    from a tokenizer it builds from the JSON: +0.15 s for SmolLM2's 49k
+    tokens, +1 s for Gemma 3's 262k, once). The call runs on the fill's
+    threads, with the GIL, only where a fill meets forced text: its answers
+    are cached."""
+
+    def __init__(self, tokenizer: "Tokenizer", width: int) -> None:
+        plain = llguidance.LLTokenizer(tokenizer.to_json(), slices=[])
+        self.tokens = [plain.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
+        self.tokens += [b""] * (width - len(self.tokens))  # a padded embedding's ids: no text, never allowed
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+        self.eos_token_id = min(tokenizer.eos_token_ids, default=None)  # (llguidance_tokenizer passes them all)
+        self.bos_token_id = None
+        self._encode = functools.lru_cache(maxsize=4096)(tokenizer.encode_as_text)
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(self._encode(text.decode("utf-8") if isinstance(text, bytes) else text))
+
+
 def llguidance_tokenizer(tokenizer: "Tokenizer", vocab_size: int) -> llguidance.LLTokenizer:
-    """llguidance's view of ``tokenizer`` for logits ``vocab_size`` wide: its
-    vocabulary read from the tokenizer.json it wraps, ids past it (a model's
-    padded embedding) never allowed, and its end-of-sequence ids (the grammar
-    allows them where the output may end), with the token slices `SLICES`."""
-    # tokenizer.json's text: Tokenizer has no public accessor for it yet (tokenizer.py is not ours).
-    return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=max(vocab_size, tokenizer.vocab_size),
+    """llguidance's view of ``tokenizer`` for logits ``vocab_size`` wide
+    (`_TextTokenizer`): ids past its vocabulary (a model's padded
+    embedding) never allowed, its end-of-sequence ids allowed where the
+    output may end, with the token slices `SLICES`."""
+    width = max(vocab_size, tokenizer.vocab_size)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TextTokenizer(tokenizer, width)),
                                   eos_token=sorted(tokenizer.eos_token_ids), slices=SLICES)
 
 

@@ -520,6 +520,94 @@ def test_finer_slices_give_llguidance_defaults_masks(setup):
             assert all(m.consume_token(token) for m in pair)
 
 
+def test_forced_text_that_spells_an_added_token_is_written_as_text(setup):
+    """llguidance built from tokenizer.json alone tokenized the text a grammar
+    forces with special tokens parsed out of it, and took every added token
+    shaped ``<...>`` for special: a row that had to write ``<|im_start|>``
+    (SmolLM2's control token), or ``<b>`` (an added token of Gemma 3's that
+    is text, as Qwen's ``<tool_call>`` is), ended "error" at its first token."""
+    tokenizer, compiler = setup
+    im_start = tokenizer.token_to_id("<|im_start|>")
+    if im_start is not None:  # SmolLM2's: parsed out of text, but not out of forced text
+        assert tokenizer.encode("<|im_start|>", add_special_tokens=False) == [im_start]
+        spelled = tokenizer.encode_as_text("<|im_start|>")
+        assert im_start not in spelled and tokenizer.decode(spelled) == "<|im_start|>"
+    texts = ["<|im_start|>x", "<b>x</b>", "a<|im_end|>"]
+    constraints = [Constraint(regex=re.escape(t)) for t in texts] + [Constraint(choice=["<b>", "<|im_end|>"])]
+    seqs = [row(tokenizer, compiler, c, False, seed=i) for i, c in enumerate(constraints)]
+    walk(seqs, bank(compiler.vocab_size))
+    assert [text_of(tokenizer, s) for s in seqs[:3]] == texts and text_of(tokenizer, seqs[3]) in ("<b>", "<|im_end|>")
+    assert not any(t in tokenizer.special_token_ids for s in seqs for t in s.output_ids)
+
+
+def test_a_required_tool_call_writes_qwens_tool_call_token(tmp_path):
+    """Qwen's tokenizers add ``<tool_call>`` and ``</tool_call>`` as tokens that
+    are text (not special): a row constrained to a tool call (``tool_choice``
+    "required") opens it with that token, and completes (it ended "error" at
+    its first token when llguidance took the token for a special one)."""
+    from pagedlm.server.tools import tool_constraint
+
+    folder = resolve("smollm2-135m-instruct")
+    spec = json.loads(Tokenizer.from_folder(folder).to_json())
+    base = len(spec["model"]["vocab"])
+    spec["added_tokens"] += [{"id": base + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": False} for i, t in enumerate(["<tool_call>", "</tool_call>"])]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text())
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    city = {"type": "string", "maxLength": 10}
+    weather = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": city}, "required": ["city"]}}]
+    bias = closers(tokenizer, compiler.vocab_size, True)
+    seqs = [row(tokenizer, compiler, tool_constraint(weather, [0], many=False), True, seed=i, logit_bias=bias)
+            for i in range(3)]
+    walk(seqs, bank(compiler.vocab_size))
+    for seq in seqs:
+        text = text_of(tokenizer, seq)
+        assert seq.output_ids[0] == base  # the token (forced, its canonical tokenization), not its spelling
+        call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert call["name"] == "weather" and isinstance(call["arguments"]["city"], str)
+
+
+def test_masks_are_llguidances_own_but_for_added_tokens_that_are_text(setup):
+    """The tokenizer this engine gives llguidance (`compiler._TextTokenizer`)
+    against the one llguidance builds from tokenizer.json, state by state
+    over random walks of JSON schemas: the same masks, but for added tokens
+    tokenizer.json marks as text that llguidance took for special (Gemma 3's
+    ``<b>``, ``<table>``...), which are allowed now where their text is."""
+    import llguidance
+    import numpy as np
+
+    from pagedlm.structured.compiler import SLICES, llguidance_tokenizer
+
+    tokenizer, compiler = setup
+    ours = llguidance_tokenizer(tokenizer, compiler.vocab_size)
+    theirs = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=compiler.width,
+                                    eos_token=sorted(tokenizer.eos_token_ids), slices=SLICES)
+    text_tokens = {i for i in range(tokenizer.vocab_size) if theirs.is_special_token(i)
+                   and i not in tokenizer.special_token_ids}
+    assert bool(text_tokens) == (tokenizer.token_to_id("<b>") is not None)  # Gemma 3's, not SmolLM2's
+    words = (compiler.width + 31) // 32
+    rng = np.random.default_rng(0)
+    differed = 0
+    for schema in (json.loads(open("benchmarks/configs/person.schema.json").read()), *SCHEMAS[:3]):
+        grammar = Constraint(json=schema).validate().llguidance_grammar()
+        pair = [llguidance.LLMatcher(t, grammar, log_level=0) for t in (ours, theirs)]
+        for _ in range(40):
+            masks = [np.zeros(words, dtype=np.int32) for _ in pair]
+            for m, mask in zip(pair, masks):
+                m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+            bits = [np.flatnonzero(np.unpackbits(m.view(np.uint8), bitorder="little")) for m in masks]
+            differ = set(bits[0].tolist()) ^ set(bits[1].tolist())
+            assert differ <= text_tokens and set(bits[1].tolist()) <= set(bits[0].tolist())
+            differed += bool(differ)
+            if pair[1].is_stopped() or not len(bits[1]):
+                break
+            token = int(rng.choice(bits[1]))
+            assert all(m.consume_token(token) for m in pair)
+    assert differed or not text_tokens  # inside strings Gemma 3's tags are text now
+
+
 def wait_ready(seq: Sequence) -> None:
     wait_ready_matcher(seq.matcher)
 
