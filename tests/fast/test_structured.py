@@ -481,6 +481,26 @@ def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
     assert not got[three][1][3] and any(got[three][1])
 
 
+def walk_in_step(tokenizers: list, schema: dict, width: int, steps: int, choose) -> None:
+    """One schema's matchers over each of ``tokenizers`` (llguidance's), walked
+    together: at each state ``choose`` gets every matcher's allowed ids and
+    answers the token all of them take (None: stop)."""
+    import llguidance
+    import numpy as np
+
+    words = (width + 31) // 32
+    grammar = Constraint(json=schema).validate().llguidance_grammar()
+    matchers = [llguidance.LLMatcher(t, grammar, log_level=0) for t in tokenizers]
+    for _ in range(steps):
+        masks = [np.zeros(words, dtype=np.int32) for _ in matchers]
+        for m, mask in zip(matchers, masks):
+            m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+        token = choose([np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")) for mask in masks])
+        if token is None or any(m.is_stopped() for m in matchers):
+            return
+        assert all(m.consume_token(token) for m in matchers)
+
+
 def test_finer_slices_give_llguidance_defaults_masks(setup):
     """The token slices this engine gives llguidance (`compiler.SLICES`:
     more length bounds than its defaults, so that a string near its
@@ -497,27 +517,22 @@ def test_finer_slices_give_llguidance_defaults_masks(setup):
     ours = llguidance_tokenizer(tokenizer, compiler.vocab_size)
     theirs = ours.with_slices(llguidance.LLTokenizer.general_slices())
     assert SLICES != llguidance.LLTokenizer.general_slices()
-    words = (compiler.width + 31) // 32
     bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
                                                 "b": {"type": "string", "minLength": 2, "maxLength": 25},
                                                 "c": {"type": "array", "items": STR, "maxItems": 2}},
                "required": ["a", "b", "c"], "additionalProperties": False}
     length = np.array([len(ours.decode_bytes([t]).strip()) for t in range(ours.vocab_size)])  # whitespace aside
     rng = np.random.default_rng(0)
+
+    def choose(allowed):
+        assert np.array_equal(*allowed)
+        if not len(allowed[0]):
+            return None
+        longest = allowed[0][length[allowed[0]] >= np.sort(length[allowed[0]])[-min(len(allowed[0]), 50)]]
+        return int(rng.choice(longest))
+
     for schema in (bounded, json.loads(open("benchmarks/configs/person.schema.json").read()), SCHEMAS[0]):
-        grammar = Constraint(json=schema).validate().llguidance_grammar()
-        pair = [llguidance.LLMatcher(t, grammar, log_level=0) for t in (ours, theirs)]
-        for _ in range(60):
-            masks = [np.zeros(words, dtype=np.int32) for _ in pair]
-            for m, mask in zip(pair, masks):
-                m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
-            assert np.array_equal(*masks)
-            allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little"))
-            if pair[0].is_stopped() or not len(allowed):
-                break
-            longest = allowed[length[allowed] >= np.sort(length[allowed])[-min(len(allowed), 50)]]
-            token = int(rng.choice(longest))
-            assert all(m.consume_token(token) for m in pair)
+        walk_in_step([ours, theirs], schema, compiler.width, 60, choose)
 
 
 def test_forced_text_that_spells_an_added_token_is_written_as_text(setup):
@@ -587,24 +602,18 @@ def test_masks_are_llguidances_own_but_for_added_tokens_that_are_text(setup):
     text_tokens = {i for i in range(tokenizer.vocab_size) if theirs.is_special_token(i)
                    and i not in tokenizer.special_token_ids}
     assert bool(text_tokens) == (tokenizer.token_to_id("<b>") is not None)  # Gemma 3's, not SmolLM2's
-    words = (compiler.width + 31) // 32
     rng = np.random.default_rng(0)
     differed = 0
+
+    def choose(allowed):
+        nonlocal differed
+        ours_, theirs_ = (set(a.tolist()) for a in allowed)
+        assert ours_ - theirs_ <= text_tokens and theirs_ <= ours_
+        differed += ours_ != theirs_
+        return int(rng.choice(allowed[1])) if len(allowed[1]) else None
+
     for schema in (json.loads(open("benchmarks/configs/person.schema.json").read()), *SCHEMAS[:3]):
-        grammar = Constraint(json=schema).validate().llguidance_grammar()
-        pair = [llguidance.LLMatcher(t, grammar, log_level=0) for t in (ours, theirs)]
-        for _ in range(40):
-            masks = [np.zeros(words, dtype=np.int32) for _ in pair]
-            for m, mask in zip(pair, masks):
-                m.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
-            bits = [np.flatnonzero(np.unpackbits(m.view(np.uint8), bitorder="little")) for m in masks]
-            differ = set(bits[0].tolist()) ^ set(bits[1].tolist())
-            assert differ <= text_tokens and set(bits[1].tolist()) <= set(bits[0].tolist())
-            differed += bool(differ)
-            if pair[1].is_stopped() or not len(bits[1]):
-                break
-            token = int(rng.choice(bits[1]))
-            assert all(m.consume_token(token) for m in pair)
+        walk_in_step([ours, theirs], schema, compiler.width, 40, choose)
     assert differed or not text_tokens  # inside strings Gemma 3's tags are text now
 
 
