@@ -223,7 +223,7 @@ class LLM:
                 except OptionError as e:  # too long for the model or the KV budget: say which
                     raise type(e)(f"prompt {i}: {e}") from None
                 self._requests += 1
-                requests.append((request_id, text, ids, seqs))
+                requests.append((request_id, text, seqs[0].prompt_ids, seqs))  # (truncate_prompt_tokens cut)
             self._run([seq for *_, seqs in requests for seq in seqs], use_tqdm)
         finally:
             for *_, seqs in requests:  # an exception (or Ctrl-C) leaves nothing running
@@ -251,13 +251,14 @@ class LLM:
         in the output are left as text, as vLLM leaves them. ``prompt`` is
         the rendered prompt."""
         conversations = _conversations(messages)
-        template = dict(continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
-                        **(chat_template_kwargs or {}))
+        # chat_template_kwargs win over the keywords (vLLM merges them over its own)
+        template = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                        chat_template=chat_template, tools=tools) | (chat_template_kwargs or {})
         tok = self.tokenizer
-        prompts = [{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, **template)} for c in conversations]
+        prompts = [{"prompt_token_ids": tok.encode_chat(c, **template)} for c in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         for out, c in zip(outputs, conversations):
-            out.prompt = tok.apply_chat_template(c, add_generation_prompt, **template)
+            out.prompt = tok.apply_chat_template(c, **template)
         return outputs
 
     # -- inputs -------------------------------------------------------------
@@ -297,7 +298,7 @@ class LLM:
     def _params(self, given: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
         """One SamplingParams per prompt. A request without a seed gets the
         next draw of ``LLM(seed=)``'s generator: the same script, the same output."""
-        params = given if isinstance(given, list) else [given] * n
+        params = list(given) if isinstance(given, (list, tuple)) else [given] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} prompts: give one, or one per prompt")
         out = []

@@ -189,15 +189,20 @@ def resolve_device(device: str | None) -> str:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's spellings
 
 
-def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
-    """float32 on the CPU, bfloat16 on CUDA, unless asked otherwise."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """float32 on the CPU, bfloat16 on CUDA, unless asked otherwise (a name,
+    vLLM's ``half`` and ``float`` too, or a torch dtype)."""
     if dtype in (None, "", "auto"):
         return torch.float32 if device == "cpu" else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise OptionError(f"--dtype must be auto, {', '.join(_DTYPES)} (got {dtype!r})")
-    return _DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    name = _DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else None
+    if name not in _DTYPES:
+        raise OptionError(f"--dtype must be auto, {', '.join(_DTYPES)}, {', '.join(_DTYPE_ALIASES)} (got {dtype!r})")
+    return _DTYPES[name]
 
 
 # ---------------------------------------------------------------------------

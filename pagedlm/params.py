@@ -46,7 +46,8 @@ class SamplingParams:
     plus the top k.
     """
 
-    max_tokens: int = 16  # vLLM's default; 0 with prompt_logprobs: score the prompt, generate nothing
+    # vLLM's default; 0 with prompt_logprobs: score the prompt, generate nothing; None: up to max_model_len
+    max_tokens: int | None = 16
     temperature: float = 0.0  # 0 = greedy (vLLM's default is 1.0); validate() makes < GREEDY_BELOW_TEMPERATURE 0
     top_k: int = 0  # 0 = off (-1 is accepted as off too, as vLLM spells it)
     top_p: float = 1.0
@@ -55,8 +56,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -84,12 +85,18 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             value = getattr(self, name)
-            if not math.isfinite(value):
-                raise OptionError(f"{name} must be a finite number (got {value})")
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not math.isfinite(value):
+                raise OptionError(f"{name} must be a finite number (got {value!r})")
+        for name in ("max_tokens", "top_k", "n", "min_tokens", "logprobs", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if not (_int(value) or (value is None and name not in ("top_k", "n", "min_tokens"))):
+                raise OptionError(f"{name} must be an integer (got {value!r})")
         top_k = 0 if self.top_k == -1 else self.top_k
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        most = math.inf if self.max_tokens is None else self.max_tokens  # None: up to the model's length
         checks: list[tuple[bool, str]] = [
-            (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+            (most >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
              f"max_tokens must be >= 1, or 0 to only score the prompt (got {self.max_tokens})"),
             (self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
             (top_k >= 0, f"top_k must be >= 0 (got {self.top_k})"),
@@ -107,9 +114,10 @@ class SamplingParams:
              f"prompt_logprobs must be in [0, 20] (got {self.prompt_logprobs})"),
             (self.n >= 1, f"n must be >= 1 (got {self.n})"),
             (all(isinstance(s, str) for s in stop), f"stop must be a string or a list of strings (got {self.stop!r})"),
-            (_token_ids(self.stop_token_ids),
+            ("" not in stop, "stop must not hold an empty string (it would end every output at once)"),
+            (self.stop_token_ids is None or _token_ids(self.stop_token_ids),
              f"stop_token_ids must be a list of token ids (integers >= 0) (got {self.stop_token_ids!r})"),
-            (_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            (0 <= self.min_tokens <= most,
              f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}) (got {self.min_tokens!r})"),
             (self.allowed_token_ids is None or (_token_ids(self.allowed_token_ids) and self.allowed_token_ids),
              f"allowed_token_ids must be a non-empty list of token ids (integers >= 0) "
@@ -117,8 +125,7 @@ class SamplingParams:
             (self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
              f"bad_words must be a list of non-blank strings (got {self.bad_words!r})"),
-            (self.truncate_prompt_tokens is None or (_int(self.truncate_prompt_tokens)
-                                                     and self.truncate_prompt_tokens >= 1),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be an integer >= 1 (got {self.truncate_prompt_tokens!r})"),
         ]
         for ok, message in checks:
@@ -126,7 +133,7 @@ class SamplingParams:
                 raise OptionError(message)
         check_seed(self.seed)
         return replace(
-            self, top_k=top_k, stop=stop, stop_token_ids=list(self.stop_token_ids),
+            self, top_k=top_k, stop=stop, stop_token_ids=list(self.stop_token_ids or ()),
             structured_outputs=check_structured_outputs(self.structured_outputs),
             temperature=0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE else self.temperature,
             logit_bias=_clamped_bias(self.logit_bias),

@@ -196,10 +196,10 @@ def token_rules(params: SamplingParams, tokenizer: "Tokenizer", vocab_size: int,
                 default: TokenRules | None = None) -> TokenRules:
     """The rules of a request with validated ``params`` (``default``, shared,
     when it asks for none); `OptionError` for a token id outside the vocabulary."""
+    for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        check_token_ids(getattr(params, name) or (), vocab_size, name)
     if default is not None and not _asks_rules(params):
         return default
-    for name in ("logit_bias", "allowed_token_ids"):
-        check_token_ids(getattr(params, name) or (), vocab_size, name)
     eos = set(tokenizer.eos_token_ids)
     named = (set(params.allowed_token_ids or ()) | set(params.stop_token_ids)
              | {i for i, b in (params.logit_bias or {}).items() if b > 0})

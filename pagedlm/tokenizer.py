@@ -180,15 +180,7 @@ class Tokenizer:
         ids = self._tk.encode(text, add_special_tokens=False).ids
         if not self.control_token_ids.intersection(ids):
             return ids
-        return self._as_text.encode(text, add_special_tokens=False).ids
-
-    @cached_property
-    def _as_text(self) -> tokenizers.Tokenizer:
-        """A copy of the tokenizer that takes special tokens' spellings as text
-        (built when first needed: a large vocabulary's copy takes a second)."""
-        tk = tokenizers.Tokenizer.from_str(self._tk.to_str())
-        tk.encode_special_tokens = True
-        return tk
+        return self._plain_text.encode(text, add_special_tokens=False).ids
 
     @cached_property
     def control_token_ids(self) -> frozenset[int]:
@@ -306,12 +298,20 @@ class Tokenizer:
 
 
 def _text_message(message: dict) -> dict:
-    """OpenAI-style content parts -> one string (the engine is text-only)."""
+    """A message whose content is OpenAI-style parts, with `content_text` as its content."""
     content = message.get("content")
-    if isinstance(content, list):
-        text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        return {**message, "content": text}
-    return message
+    return {**message, "content": content_text(content)} if isinstance(content, list) else message
+
+
+def content_text(parts: list) -> str:
+    """OpenAI-style content parts as one string: the text parts joined by
+    newlines (as vLLM joins them). The engine is text-only: any other part
+    (an image, an audio clip) is a `ValueError`, never dropped."""
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"message content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                             f"supported, this model reads text (got {str(part)[:80]})")
+    return "\n".join(part["text"] for part in parts)
 
 
 def supports_tools(template: str) -> bool:

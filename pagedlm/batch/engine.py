@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -256,14 +256,18 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: object = None) -> list[Sequence]:
-        """Queue ``params.n`` sequences continuing ``prompt_ids``; raises
-        `OptionError` (`RequestTooLarge`) for what can never run."""
+        """Queue ``params.n`` sequences continuing ``prompt_ids`` (``max_tokens``
+        None: up to max_model_len); raises `OptionError` (`RequestTooLarge`)
+        for what can never run."""
         params = (params or SamplingParams()).validate()
         ids = list(prompt_ids)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
         if not ids:
             raise OptionError("the prompt is empty")
+        if params.max_tokens is None:  # vLLM's: up to the model's length
+            self.check_fits(len(ids), 1)  # (no room at all: refused with the numbers)
+            params = replace(params, max_tokens=self.max_model_len - len(ids)).validate()
         if len(ids) + params.max_tokens > self.max_model_len:  # (the budget is the scheduler's check)
             self.check_fits(len(ids), params.max_tokens)
         rules = token_rules(params, self.tokenizer, self.vocab_size, self.default_rules)

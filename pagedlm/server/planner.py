@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from pagedlm.options import OptionError
 from pagedlm.params import SamplingParams, check_structured_outputs, check_token_ids
-from pagedlm.tokenizer import compile_chat_template
+from pagedlm.tokenizer import compile_chat_template, content_text
 
 from .protocol import APIError, ChatRequest, CompletionRequest, _ChatTemplateFields, _GenerationRequest
 from .tools import check_tools, choose, history_calls
@@ -342,7 +342,7 @@ class Planner:
                 if any(part.type != "text" or part.text is None for part in content):
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    param=f"messages[{i}].content")
-                content = "\n".join(part.text for part in content)  # (as vLLM joins them)
+                content = content_text([{"type": "text", "text": part.text} for part in content])
             message = {"role": CHAT_ROLES[m.role], "content": content}
             if m.name is not None:
                 message["name"] = m.name

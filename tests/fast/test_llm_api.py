@@ -92,6 +92,33 @@ def test_sampling_params_are_checked_before_anything_is_queued(llm, monkeypatch)
     assert len(queued) == 2 and not llm.engine.has_unfinished()
 
 
+def test_truncated_prompts_report_the_prompt_that_ran(llm, tokenizer):
+    """truncate_prompt_tokens: prompt_token_ids and prompt_logprobs are the kept tokens' (as vLLM's)."""
+    ids = tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+    (cut,) = llm.generate(ids, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0,
+                                              truncate_prompt_tokens=4), use_tqdm=False)
+    (tail,) = llm.generate(ids[-4:], params, use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-4:] == tail.prompt_token_ids
+    assert cut.prompt_logprobs == tail.prompt_logprobs and list(cut.prompt_logprobs[1]) == [ids[-3]]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
+def test_vllms_defaults_of_none(llm, tokenizer):
+    """max_tokens=None generates up to the model's length; stop=None and
+    stop_token_ids=None are no stops; a tuple of params is one per prompt."""
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True, stop=None, stop_token_ids=None),
+                          use_tqdm=False)
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == llm.engine.max_model_len
+    assert out.outputs[0].finish_reason == "length"
+    with pytest.raises(OptionError, match="leaves no room|exceeds"):
+        llm.generate([5] * llm.engine.max_model_len, SamplingParams(max_tokens=None), use_tqdm=False)
+    two = llm.generate(["a", "b"], (SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in two] == [2, 3]
+    with pytest.raises(OptionError, match="stop_token_ids holds token id 99999, outside the vocabulary"):
+        llm.generate("a", SamplingParams(stop_token_ids=[99999]), use_tqdm=False)
+
+
 def test_logprobs_are_vllms_dicts_with_rank_and_decoded_token(llm, tokenizer):
     ids = tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -196,6 +223,15 @@ def test_chat_renders_each_conversation_through_the_template(llm, tokenizer):
                        add_generation_prompt=False, continue_final_message=True)
     assert cont.prompt.endswith("<|im_start|>assistant\nhel")
     assert llm.get_tokenizer() is tokenizer
+    # chat_template_kwargs win over the keywords, as vLLM merges them
+    (merged,) = llm.chat(conversation, params, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})
+    assert merged.prompt == bare.prompt
+    # content parts: text joined with newlines (vLLM), anything else refused, never dropped
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
+    assert llm.chat(parts, params, use_tqdm=False)[0].prompt == "<|im_start|>user\nhel\nlo<|im_end|>\n<|im_start|>assistant\n"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="only text parts"):
+        llm.chat(image, params, use_tqdm=False)
     with pytest.raises(TypeError, match="conversation 0, message 0 is a str"):
         llm.chat(["hello"], params, use_tqdm=False)
     with pytest.raises(TypeError, match="messages must be a conversation"):

@@ -199,10 +199,23 @@ def test_the_default_max_tokens_is_vllms():
     (dict(bad_words=[" "]), "bad_words"), (dict(bad_words=[3]), "bad_words"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(stop_token_ids=[-2]), "stop_token_ids"),
     (dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.5), "seed"),
+    # wrong types, named (not a TypeError from deep inside, nor a value taken as another)
+    (dict(max_tokens=2.5), "max_tokens"), (dict(n=2.0), "n"), (dict(top_k=1.5), "top_k"),
+    (dict(logprobs=True), "logprobs"), (dict(logprobs=1.0), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(min_tokens=None), "min_tokens"), (dict(temperature=None), "temperature"),
+    (dict(temperature="0.5"), "temperature"), (dict(top_p=True), "top_p"), (dict(stop=[""]), "stop"),
+    (dict(stop=["a", ""]), "stop"),
 ])
 def test_validate_names_the_bad_field_first(fields, name):
     with pytest.raises(OptionError, match=f"^{name} must"):
         SamplingParams(**fields).validate()
+
+
+def test_vllms_nones_mean_its_defaults():
+    """vLLM's SamplingParams defaults stop and stop_token_ids to None, and
+    max_tokens None means up to the model's length (the engine resolves it)."""
+    p = SamplingParams(stop=None, stop_token_ids=None, max_tokens=None, min_tokens=3).validate()
+    assert p.stop == [] and p.stop_token_ids == [] and p.max_tokens is None
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
