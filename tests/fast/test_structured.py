@@ -511,10 +511,10 @@ def test_finer_slices_give_llguidance_defaults_masks(setup):
     import llguidance
     import numpy as np
 
-    from pagedlm.structured.compiler import SLICES, llguidance_tokenizer
+    from pagedlm.structured.compiler import SLICES
 
     tokenizer, compiler = setup
-    ours = llguidance_tokenizer(tokenizer, compiler.vocab_size)
+    ours = compiler._llg_tokenizer().result()  # (built for the fixture's compiles)
     theirs = ours.with_slices(llguidance.LLTokenizer.general_slices())
     assert SLICES != llguidance.LLTokenizer.general_slices()
     bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
@@ -593,10 +593,10 @@ def test_masks_are_llguidances_own_but_for_added_tokens_that_are_text(setup):
     import llguidance
     import numpy as np
 
-    from pagedlm.structured.compiler import SLICES, llguidance_tokenizer
+    from pagedlm.structured.compiler import SLICES
 
     tokenizer, compiler = setup
-    ours = llguidance_tokenizer(tokenizer, compiler.vocab_size)
+    ours = compiler._llg_tokenizer().result()  # (built for the fixture's compiles)
     theirs = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=compiler.width,
                                     eos_token=sorted(tokenizer.eos_token_ids), slices=SLICES)
     text_tokens = {i for i in range(tokenizer.vocab_size) if theirs.is_special_token(i)
