@@ -156,6 +156,7 @@ def check_block_size(block_size: int) -> int:
 
 
 def check_quantization(mode: object, name: str = "--quantization") -> str:
+    mode = mode.strip().lower() if isinstance(mode, str) else mode
     if mode not in QUANTIZATIONS:
         raise OptionError(f"{name} must be {', '.join(QUANTIZATIONS)} (got {mode!r})")
     return mode
@@ -174,7 +175,7 @@ def resolve_quantization(flag: str | None, environ: Mapping[str, str] | None = N
         return check_quantization(flag)
     raw = (os.environ if environ is None else environ).get(QUANTIZATION_ENV)
     if raw:
-        return check_quantization(raw.strip().lower(), QUANTIZATION_ENV)
+        return check_quantization(raw, QUANTIZATION_ENV)
     return DEFAULT_QUANTIZATION
 
 
@@ -644,6 +645,19 @@ def _nonneg_int(text: str | int, name: str) -> int:
     return value
 
 
+def _checked(text: str, resolve: Callable[[str], object]) -> str:
+    """``text`` as given, once ``resolve`` takes it (its error names the flag,
+    which `_flags_or_env` turns into the variable's name where it came from there)."""
+    resolve(text)
+    return text
+
+
+def _api_key(text: str) -> str | None:
+    if text != text.strip():  # HTTP trims a header's value: no client could send it
+        raise OptionError("--api-key must not begin or end with whitespace")
+    return text or None
+
+
 def _port(text: str | int) -> int:
     value = positive_int(text, "--port")
     if value > 65535:
@@ -655,8 +669,9 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("model", "PAGEDLM_MODEL", str, "model: built-in name, .gguf path or HF folder"),
     Flag("host", "PAGEDLM_HOST", str, "address to bind (loopback by default)"),
     Flag("port", "PAGEDLM_PORT", _port, "port to listen on"),
-    Flag("device", "PAGEDLM_DEVICE", str, "auto, cpu or cuda"),
-    Flag("dtype", "PAGEDLM_DTYPE", str, "auto, float32, bfloat16 or float16"),
+    Flag("device", "PAGEDLM_DEVICE", lambda t: _checked(t, resolve_device), "auto, cpu or cuda"),
+    Flag("dtype", "PAGEDLM_DTYPE", lambda t: _checked(t, lambda d: resolve_dtype(d, "cpu")),
+         "auto, float32, bfloat16 or float16"),
     Flag("quantization", QUANTIZATION_ENV, check_quantization,
          "weight-only quantization: none, int8 or int4"),
     Flag("prompt_cache_bytes", "PAGEDLM_PROMPT_CACHE_BYTES",
@@ -673,7 +688,7 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "seconds a request has to send its whole body; then 408 and the connection is closed (default 60)"),
     Flag("max_connections", "PAGEDLM_MAX_CONNECTIONS", lambda t: positive_int(t, "--max-connections"),
          "open connections; one more is answered 503 and closed (default 512)"),
-    Flag("api_key", "PAGEDLM_API_KEY", lambda t: t or None,
+    Flag("api_key", "PAGEDLM_API_KEY", _api_key,
                "require Authorization: Bearer KEY (empty: no authentication)"),
     Flag("served_model_name", "PAGEDLM_SERVED_MODEL_NAME", lambda t: _names(t, "--served-model-name"),
          "the model ids clients may send (the first is reported; default: --model as given)", nargs="+"),

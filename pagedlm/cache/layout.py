@@ -116,8 +116,14 @@ def make_pools(layout: KVLayout, dtype: torch.dtype, device: torch.device | str)
     if layout.block_size is None:
         return None
     spec = layout.specs[layout.pooled_layers[0]]
-    return PagedPools(layout.pooled_layers, layout.num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim,
-                      dtype, device, layout.kv_quant, fused=layout.in_place)
+    try:
+        return PagedPools(layout.pooled_layers, layout.num_blocks, layout.block_size, spec.num_kv_heads,
+                          spec.head_dim, dtype, device, layout.kv_quant, fused=layout.in_place)
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # (the CPU's allocator raises a RuntimeError)
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        raise OptionError(f"the KV budget ({layout.budget_bytes} bytes) does not fit in the {torch.device(device).type} "
+                          f"memory left: lower --kv-budget-bytes") from None
 
 
 def token_bytes(specs: Sequence[KVSpec], dtype: torch.dtype, kv_quant: str = "none",

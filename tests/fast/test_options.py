@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from pagedlm import options as opt
 from pagedlm.cli import main
@@ -59,6 +60,34 @@ def test_server_options_flag_beats_env_beats_default():
     assert resolved.port == 9002 and resolved.max_queue == 3 and resolved.host == "127.0.0.1"
     with pytest.raises(opt.OptionError, match="--port"):
         opt.ServerOptions.resolve({"port": "70000"}, {})
+
+
+def test_server_device_dtype_key_and_quantization_values_are_checked_where_they_came_from():
+    for env, message in [({"PAGEDLM_DEVICE": "gpu"}, "^PAGEDLM_DEVICE must be auto, cpu or cuda"),
+                         ({"PAGEDLM_DTYPE": "int8"}, "^PAGEDLM_DTYPE must be auto"),
+                         ({"PAGEDLM_API_KEY": " "}, "^PAGEDLM_API_KEY must not begin or end with whitespace")]:
+        with pytest.raises(opt.OptionError, match=message):
+            opt.ServerOptions.resolve({}, env)
+    with pytest.raises(opt.OptionError, match="^--api-key must not begin or end with whitespace"):
+        opt.ServerOptions.resolve({"api_key": "abc "}, {})
+    resolved = opt.ServerOptions.resolve({"dtype": "half"}, {"PAGEDLM_QUANTIZATION": "INT8", "PAGEDLM_API_KEY": "k"})
+    assert resolved.dtype == "half" and resolved.quantization == "int8" and resolved.api_key == "k"
+
+
+def test_pools_the_memory_cannot_hold_are_a_one_line_refusal(monkeypatch):
+    """A budget beyond the device's memory: the allocator's error becomes an OptionError (one line, exit 2)."""
+    from pagedlm.cache import layout as layout_module
+    from pagedlm.cache.spec import KVSpec
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 274877906944 bytes")
+
+    plan = layout_module.plan_layout([KVSpec(2, 8)], opt.EngineOptions(paged_kv=opt.PagedKvOptions(16),
+                                                                         kv_budget_bytes=1 << 20), "cpu",
+                                     torch.float32, in_place=False, identity="tiny", max_model_len=64)
+    monkeypatch.setattr(layout_module, "PagedPools", refuse)
+    with pytest.raises(opt.OptionError, match=r"the KV budget \(1048576 bytes\) does not fit in the cpu memory left"):
+        layout_module.make_pools(plan, torch.float32, "cpu")
 
 
 def case(argv, message, env=None, stdin=None):
