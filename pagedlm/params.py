@@ -93,6 +93,8 @@ class SamplingParams:
             if not (_int(value) or (value is None and name not in ("top_k", "n", "min_tokens"))):
                 raise OptionError(f"{name} must be an integer (got {value!r})")
         top_k = 0 if self.top_k == -1 else self.top_k
+        if not isinstance(self.stop, (str, list, tuple, type(None))):
+            raise OptionError(f"stop must be a string or a list of strings (got {self.stop!r})")
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
         most = math.inf if self.max_tokens is None else self.max_tokens  # None: up to the model's length
         checks: list[tuple[bool, str]] = [

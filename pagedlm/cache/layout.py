@@ -122,8 +122,9 @@ def make_pools(layout: KVLayout, dtype: torch.dtype, device: torch.device | str)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # (the CPU's allocator raises a RuntimeError)
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
-        raise OptionError(f"the KV budget ({layout.budget_bytes} bytes) does not fit in the {torch.device(device).type} "
-                          f"memory left: lower --kv-budget-bytes") from None
+        where = torch.device(device).type
+        raise OptionError(f"the KV budget ({layout.budget_bytes} bytes) does not fit in the {where} memory left: "
+                          f"lower --kv-budget-bytes") from None
 
 
 def token_bytes(specs: Sequence[KVSpec], dtype: torch.dtype, kv_quant: str = "none",

@@ -9,8 +9,9 @@ and a row never waits for one.
 
 The first compile also builds llguidance's tokenizer (`llguidance_tokenizer`:
 every token's bytes, a trie): 0.5 s for SmolLM2's 49k tokens, about 5 s for
-Gemma 3's 262k on one CPU core. That call holds the GIL (the rest of a compile drops it), so the step
-loop stalls once for it; `warm_up` pays it at startup instead.
+Gemma 3's 262k on one CPU core. That call holds the GIL (the rest of a
+compile drops it), so the step loop stalls once for it; `warm_up` pays it
+at startup instead.
 """
 
 from __future__ import annotations

@@ -228,7 +228,8 @@ def test_chat_renders_each_conversation_through_the_template(llm, tokenizer):
     assert merged.prompt == bare.prompt
     # content parts: text joined with newlines (vLLM), anything else refused, never dropped
     parts = [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
-    assert llm.chat(parts, params, use_tqdm=False)[0].prompt == "<|im_start|>user\nhel\nlo<|im_end|>\n<|im_start|>assistant\n"
+    joined = "<|im_start|>user\nhel\nlo<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.chat(parts, params, use_tqdm=False)[0].prompt == joined
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match="only text parts"):
         llm.chat(image, params, use_tqdm=False)

@@ -219,7 +219,8 @@ def test_dtype_takes_vllms_spellings_and_torch_dtypes():
     import torch
 
     assert opt.resolve_dtype("half", "cpu") is torch.float16 and opt.resolve_dtype("float", "cpu") is torch.float32
-    assert opt.resolve_dtype(torch.bfloat16, "cpu") is torch.bfloat16 and opt.resolve_dtype(None, "cuda") is torch.bfloat16
+    assert opt.resolve_dtype(torch.bfloat16, "cpu") is torch.bfloat16
+    assert opt.resolve_dtype(None, "cuda") is torch.bfloat16
     for bad in ("double", torch.float64, 16):
         with pytest.raises(opt.OptionError, match="--dtype must be auto, float32, bfloat16, float16, float, half"):
             opt.resolve_dtype(bad, "cpu")

@@ -201,10 +201,11 @@ def test_the_default_max_tokens_is_vllms():
     (dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.5), "seed"),
     # wrong types, named (not a TypeError from deep inside, nor a value taken as another)
     (dict(max_tokens=2.5), "max_tokens"), (dict(n=2.0), "n"), (dict(top_k=1.5), "top_k"),
-    (dict(logprobs=True), "logprobs"), (dict(logprobs=1.0), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(logprobs=True), "logprobs"), (dict(logprobs=1.0), "logprobs"),
+    (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(min_tokens=None), "min_tokens"), (dict(temperature=None), "temperature"),
     (dict(temperature="0.5"), "temperature"), (dict(top_p=True), "top_p"), (dict(stop=[""]), "stop"),
-    (dict(stop=["a", ""]), "stop"),
+    (dict(stop=["a", ""]), "stop"), (dict(stop=5), "stop"),
 ])
 def test_validate_names_the_bad_field_first(fields, name):
     with pytest.raises(OptionError, match=f"^{name} must"):

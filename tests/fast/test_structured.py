@@ -566,13 +566,15 @@ def test_a_required_tool_call_writes_qwens_tool_call_token(tmp_path):
     spec = json.loads(Tokenizer.from_folder(folder).to_json())
     base = len(spec["model"]["vocab"])
     spec["added_tokens"] += [{"id": base + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": False} for i, t in enumerate(["<tool_call>", "</tool_call>"])]
+                              "normalized": False, "special": False}
+                             for i, t in enumerate(["<tool_call>", "</tool_call>"])]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     (tmp_path / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text())
     tokenizer = Tokenizer.from_folder(tmp_path)
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     city = {"type": "string", "maxLength": 10}
-    weather = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": city}, "required": ["city"]}}]
+    parameters = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    weather = [{"name": "weather", "parameters": parameters}]
     bias = closers(tokenizer, compiler.vocab_size, True)
     seqs = [row(tokenizer, compiler, tool_constraint(weather, [0], many=False), True, seed=i, logit_bias=bias)
             for i in range(3)]
