@@ -23,8 +23,8 @@ from pagedlm.options import OptionError
 from pagedlm.params import SamplingParams, check_structured_outputs, check_token_ids
 from pagedlm.tokenizer import compile_chat_template, content_text
 
-from .protocol import APIError, ChatRequest, CompletionRequest, _ChatTemplateFields, _GenerationRequest
-from .tools import check_tools, choose, history_calls
+from .protocol import APIError, ChatRequest, CompletionRequest, NamedToolChoice, _ChatTemplateFields, _GenerationRequest
+from .tools import FUNCTION_NAME, check_tools, choose, history_calls
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
@@ -65,6 +65,7 @@ class Plan:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: top k, answered in its shape
     parse_tool_calls: bool = False  # chat with tools: the output's <tool_call> blocks become tool_calls
     parallel_tool_calls: bool = True  # false: a choice keeps only its first call
+    forced_tool: str | None = None  # tool_choice "required" ("") or the named function: a call cut short is one
 
 
 class Planner:
@@ -105,6 +106,8 @@ class Planner:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         parallel = req.parallel_tool_calls is not False
+        if req.tool_choice is not None and req.tools is None:  # (OpenAI's and vLLM's refusal)
+            raise APIError(400, "tool_choice is only allowed when the request has tools", param="tool_choice")
         parse_calls, forced = choose(check_tools(req.tools), req.tool_choice, parallel)
         options = self._options(req, logprobs, None, self._constraint(req, ("tool_choice", forced)))
         prompt = self.chat_prompt(req)
@@ -115,6 +118,8 @@ class Planner:
         plan = self._plan(req, [prompt], options, max_tokens, param, None, None, None,
                           rename={"logprobs": "top_logprobs"})
         plan.parse_tool_calls, plan.parallel_tool_calls = parse_calls, parallel
+        if forced is not None:
+            plan.forced_tool = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else ""
         return plan
 
     def check_model(self, model: str | None) -> str:
@@ -147,6 +152,12 @@ class Planner:
         ``tool_call``: (its field, the constraint a tool_choice forces)."""
         given: list[tuple[str, Constraint | dict]] = []  # (the field, what it asks)
         fmt = req.response_format
+        if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+            raise APIError(400, f'response_format.json_schema is read only with "type": "json_schema" (got '
+                           f'{fmt.type!r})', param="response_format.json_schema")
+        if fmt is not None and fmt.json_schema is not None and not FUNCTION_NAME.fullmatch(fmt.json_schema.name):
+            raise APIError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, _ or - (got "
+                           f"{fmt.json_schema.name!r})", param="response_format.json_schema.name")
         if fmt is not None and fmt.type == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":
@@ -387,6 +398,8 @@ class Planner:
             log.info("chat template refused a request: %s", e)
             raise APIError(400, f"the chat template refused the messages: {e}",
                            param="chat_template" if req.chat_template is not None else "messages") from None
+        except RecursionError:  # (a tool call's arguments nested nearly as deep as Python's limit)
+            raise APIError(400, "the messages nest too deeply to render", param="messages") from None
         if not ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
         return ids

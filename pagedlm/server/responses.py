@@ -206,12 +206,13 @@ class ChatShape(Shape):
 
     def __init__(self, plan: "Plan", tokenizer: "Tokenizer", model_id: str) -> None:
         super().__init__(plan, tokenizer, model_id)
-        self.streams = [ToolCallStream() for _ in plan.prompts] if plan.parse_tool_calls else None
+        self.streams = [ToolCallStream(plan.forced_tool) for _ in plan.prompts] if plan.parse_tool_calls else None
 
-    @staticmethod
-    def _finish(c: _Choice, made_calls: bool) -> str | None:
-        """OpenAI's: a choice that stopped after making calls finishes "tool_calls"."""
-        return "tool_calls" if made_calls and c.finish_reason == "stop" else c.finish_reason
+    def _finish(self, c: _Choice, made_calls: bool) -> str | None:
+        """OpenAI's: a choice that stopped after making calls finishes "tool_calls",
+        unless the request named the function (then "stop", as vLLM answers)."""
+        named = bool(self.plan.forced_tool)
+        return "tool_calls" if made_calls and c.finish_reason == "stop" and not named else c.finish_reason
 
     def _logprobs(self, items: list[Item]) -> ChatLogprobs | None:
         if self.logprobs is None:
@@ -231,7 +232,7 @@ class ChatShape(Shape):
         for i, c in enumerate(self.choices):
             content, calls = "".join(c.text), []
             if self.plan.parse_tool_calls:
-                content, calls = parse_tool_calls(content)
+                content, calls = parse_tool_calls(content, self.plan.forced_tool)
                 calls = calls if self.plan.parallel_tool_calls else calls[:1]
             message = AssistantMessage(content=content, tool_calls=[_call_out(call) for call in calls] or None)
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(c.items),

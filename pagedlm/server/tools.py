@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+KEY_NAME, KEY_ARGUMENTS = json.dumps('"name"'), json.dumps('"arguments"')  # (Lark string literals)
 
 
 @dataclass(frozen=True)
@@ -133,22 +134,22 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> 
     one or more. The output is complete after a block (the row ends "stop").
     `APIError` naming a function whose parameters llguidance cannot follow."""
     from pagedlm.structured import Constraint
-    from pagedlm.structured.constraint import json_rule
+    from pagedlm.structured.constraint import JSON_SPACE, json_rule
 
     rules = []
     for i in chosen:
-        parameters = dict(functions[i].get("parameters") or NO_PARAMETERS)
+        parameters = functions[i].get("parameters") or NO_PARAMETERS
         where = f"tools[{i}].function.parameters"
         try:
             Constraint(json=parameters).validate()
         except OptionError as e:  # "json is not a JSON schema ...": name the field
             raise APIError(400, where + str(e).removeprefix("json"), param=where) from None
-        # Its $defs move up to the call's root, which its "#/$defs/..." references now resolve against.
-        defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
-        call = {**defs, "type": "object",
-                "properties": {"name": {"const": functions[i]["name"]}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-        rules.append(f"fn{i}: %json {json_rule(call)}")  # numbers bounded, whitespace as in json rows
+        # The call's object is written out here, its arguments a JSON value of their own: the
+        # parameters stay the root of their schema, which their "#..." references resolve against.
+        name = json.dumps(json.dumps(functions[i]["name"]))
+        rules.append(f'fn{i}: "{{" WS? {KEY_NAME} WS? ":" WS? {name} WS? "," WS? {KEY_ARGUMENTS} WS? ":" WS? args{i} WS? "}}"')
+        rules.append(f"args{i}: %json {json_rule(parameters)}")  # numbers bounded, whitespace as in json rows
+    rules.append(f"WS: /{JSON_SPACE}/")  # (as between the tokens of a JSON value)
     start = 'start: call ("\\n"? call)*' if many else "start: call"
     call = (f'call: {json.dumps(TOOL_CALL_OPEN)} "\\n"? ({" | ".join(f"fn{i}" for i in chosen)}) "\\n"? '
             f"{json.dumps(TOOL_CALL_CLOSE)}")
@@ -161,10 +162,10 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> 
 # -- the model's output --------------------------------------------------------
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, forced: str | None = None) -> tuple[str | None, list[ToolCall]]:
     """A whole output's content (the text outside the calls; None when it is
     only whitespace) and calls: what `ToolCallStream` streams, joined."""
-    stream = ToolCallStream()
+    stream = ToolCallStream(forced)
     content, calls = stream.feed(text)
     rest, more = stream.finish()
     content += rest
@@ -176,9 +177,13 @@ class ToolCallStream:
     may still begin a ``<tool_call>`` tag, and a block until its closing tag,
     are held back; so is content that is only whitespace so far (content of
     only whitespace is none, so that a stream says what the whole response
-    does)."""
+    does). ``forced``: the output is forced to calls (`Plan.forced_tool`: the
+    named function, or "" for "required"): a call the output ends inside
+    (``max_tokens``) is still a call, its arguments the text written so far,
+    as OpenAI and vLLM answer a forced call cut short."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: str | None = None) -> None:
+        self._forced = forced
         self._pending = ""  # undecided text: a possible start of the opening tag, or a block's body
         self._in_block = False
         self._blank = ""  # content of only whitespace, not yet sent
@@ -219,11 +224,14 @@ class ToolCallStream:
         calls: list[ToolCall] = []
         content = self._pending
         if self._in_block:
-            call = _call(self._pending)
-            if call is None:
-                content = TOOL_CALL_OPEN + self._pending
-            else:
+            body = self._pending[: len(self._pending) - _tag_prefix(self._pending, TOOL_CALL_CLOSE)]
+            call = _call(body) or (_cut_call(body, self._forced) if self._forced is not None else None)
+            if call is not None:
                 content, calls = "", [call]
+            elif self._forced is None:
+                content = TOOL_CALL_OPEN + self._pending
+            else:  # (cut before the function's name, which "required" does not know: no call yet)
+                content = ""
         self._pending, self._in_block = "", False
         return self._sent(content), calls
 
@@ -238,12 +246,25 @@ class ToolCallStream:
         return text
 
 
-def _tag_prefix(text: str) -> int:
-    """How many characters at the end of ``text`` may begin the opening tag."""
-    for n in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-n:]):
+def _tag_prefix(text: str, tag: str = TOOL_CALL_OPEN) -> int:
+    """How many characters at the end of ``text`` may begin ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+
+
+def _cut_call(body: str, name: str) -> ToolCall | None:
+    """A forced call the output ended inside (`tool_constraint`'s shape, cut
+    short): its name and the arguments' text so far; ``name`` (the named
+    function; "" for "required") where the output ended before its
+    arguments began; None when no name is known."""
+    if (cut := CUT_CALL.match(body)) is not None:
+        return ToolCall(cut[1], cut[2].rstrip())
+    return ToolCall(name, "") if name else None
 
 
 def _call(body: str) -> ToolCall | None:

@@ -43,6 +43,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CHECKED = 256  # distinct constraints whose llguidance check is remembered (`_grammar_error`)
 JSON_SPACE = r"(?: |\n[ \t]{0,20})"  # llama.cpp's space: one space, or a newline and an indent
 JSON_WHITESPACE = JSON_SPACE + "?"  # between two tokens of a JSON value
+MAX_DEPTH = 128  # a schema's nesting, as llguidance's own JSON parser takes it
 NUMBER_BOUND = 10**16 - 1  # |an integer| with at most 16 digits (llama.cpp's json-schema-to-grammar)
 # A number's fraction: at most 10 digits (llama.cpp: 16). As a multipleOf, the one way llguidance
 # takes it; it refuses 1e-12 (a float it reads as 9999999999999998e-28: "too many digits").
@@ -236,15 +237,29 @@ def _schema(value: object) -> dict:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # (nested past Python's recursion limit)
             raise OptionError(f"json must be a JSON schema: its text is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise OptionError(f"json must be a JSON schema object (got {value!r:.80})")
+    if (depth := _depth(value)) > MAX_DEPTH:  # (before anything walks it recursively)
+        raise OptionError(f"json must be a JSON schema of at most {MAX_DEPTH} nested objects and arrays "
+                          f"(got {depth})")
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as e:  # a set, an object, a NaN: not JSON
         raise OptionError(f"json must be a JSON schema: {e}") from None
     return value
+
+
+def _depth(value: object) -> int:
+    """How deeply ``value``'s dicts and lists nest (an object of scalars: 1), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 @functools.lru_cache(maxsize=CHECKED)

@@ -21,7 +21,7 @@ import pytest
 
 from pagedlm.params import SamplingParams
 from pagedlm.server.planner import Plan
-from pagedlm.server.protocol import ChatRequest, CompletionRequest, parse
+from pagedlm.server.protocol import APIError, ChatRequest, CompletionRequest, parse
 from pagedlm.server.responses import ChatShape
 from pagedlm.structured import Constraint
 from tests.fast.server_helpers import error_of, serving
@@ -110,10 +110,14 @@ def test_tool_choice_asks_for_parsing_and_forced_calls(planner):
     assert none.prompts == auto.prompts  # "none" still shows the tools (vLLM's default)
     assert planner.tokenizer.decode(auto.prompts[0]).startswith("add;lookup;")
     assert not plan(planner, "chat").parse_tool_calls
-    required = plan(planner, "chat", tools=TOOLS, tool_choice="required").options[0].structured_outputs
-    assert required.kind == "grammar" and '"add"' in required.grammar and '"lookup"' in required.grammar
-    named = plan(planner, "chat", tools=TOOLS, tool_choice=NAMED_ADD).options[0].structured_outputs
-    assert named.kind == "grammar" and '"add"' in named.grammar and "lookup" not in named.grammar
+    assert auto.forced_tool is None and none.forced_tool is None
+    required_plan = plan(planner, "chat", tools=TOOLS, tool_choice="required")
+    required = required_plan.options[0].structured_outputs
+    assert required.kind == "grammar" and r'\"add\"' in required.grammar and r'\"lookup\"' in required.grammar
+    named_plan = plan(planner, "chat", tools=TOOLS, tool_choice=NAMED_ADD)
+    named = named_plan.options[0].structured_outputs
+    assert named.kind == "grammar" and r'\"add\"' in named.grammar and "lookup" not in named.grammar
+    assert required_plan.forced_tool == "" and named_plan.forced_tool == "add"
     single = plan(planner, "chat", tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert not single.parallel_tool_calls and single.options[0].structured_outputs != required
 
@@ -194,6 +198,18 @@ BAD = {  # case: (path, body fields, the param the error names)
     "tool_choice naming a non-function": ("chat", {"tools": TOOLS, "tool_choice": {
         "type": "code", "function": {"name": "add"}}}, "tool_choice.type"),
     "tool_choice required without tools": ("chat", {"tool_choice": "required"}, "tool_choice"),
+    "a json_schema beside type json_object": ("chat", {"response_format": {"type": "json_object", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema"),
+    "a json_schema beside type text": ("chat", {"response_format": {"type": "text", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema"),
+    "a json_schema name OpenAI refuses": ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a b!", "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
+    "tool_choice auto without tools": ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    "tool_choice none without tools": ("chat", {"tool_choice": "none"}, "tool_choice"),
+    "tool_choice required with no tools": ("chat", {"tools": [], "tool_choice": "required"}, "tool_choice"),
+    "a schema nested deeper than llguidance reads": (  # (as text: Python's recursion limit, not the body's)
+        "chat", {"guided_json": '{"type": "object", "properties": {"a": ' * 300 + "{}" + "}}" * 300},
+        "guided_json"),
     "tool_choice named without tools": ("chat", {"tool_choice": NAMED_ADD}, "tool_choice"),
     "tool_choice of another word": ("chat", {"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
     "chat_template_kwargs setting tools": ("chat", {"chat_template_kwargs": {"tools": TOOLS}}, "chat_template_kwargs"),
@@ -230,9 +246,21 @@ def test_bad_tool_history_is_a_400_naming_the_message(client, case):
     error_of(r, 400, param)
 
 
+def test_messages_too_deep_to_render_are_a_400(planner, monkeypatch):
+    """A past call's arguments nested nearly as deep as Python's recursion limit parse, then
+    overflow the stack as the template renders them (at a depth that depends on the caller's)."""
+    def overflow(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+    monkeypatch.setattr(planner.tokenizer, "encode_chat", overflow)
+    with pytest.raises(APIError) as e:
+        plan(planner, "chat")
+    assert (e.value.status, e.value.param) == (400, "messages") and "too deeply" in e.value.message
+
+
 def test_fields_that_ask_for_nothing_are_accepted(client):
-    for fields in [{"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tool_choice": "auto"},
-                   {"tools": []}, {"guided_decoding_backend": "auto"}, {"structured_outputs": None},
+    for fields in [{"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "none"},
+                   {"tools": [], "tool_choice": "auto"}, {"tools": []}, {"guided_decoding_backend": "auto"},
+                   {"structured_outputs": None},
                    {"parallel_tool_calls": False}]:
         r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, **fields})
         assert r.status_code == 200, (fields, r.text)
@@ -323,6 +351,24 @@ def test_a_choice_cut_by_length_stays_length_and_keeps_its_cut_block_as_text(tok
     assert [c["function"]["name"] for c in calls] == ["add"]
 
 
+def test_a_named_call_finishes_stop_and_a_forced_call_cut_short_is_still_a_call(tokenizer):
+    """vLLM's answers (OpenAI's too): a named function's call finishes "stop"; a forced call that
+    max_tokens cut is a call whose arguments are cut, the choice "length"."""
+    whole, chunks = shaped(tokenizer, ["<tool", *TWO_CALLS[2:4]], forced_tool="add")
+    (choice,) = whole["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+    assert reassembled(chunks)[2] == "stop"
+    for forced in ("add", ""):
+        whole, chunks = shaped(tokenizer, ["<tool_call>\n", '{"name": "add", "arguments": {"a": 1, '],
+                               finish="length", forced_tool=forced)
+        (choice,) = whole["choices"]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert (call["function"]["name"], call["function"]["arguments"]) == ("add", '{"a": 1,')
+        content, calls, finish = reassembled(chunks)
+        assert (content, finish) == ("", "length") and [c["function"] for c in calls] == [call["function"]]
+
+
 def test_malformed_calls_and_requests_without_tools_are_text(tokenizer):
     broken = ['Sure <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>']
     whole, chunks = shaped(tokenizer, broken)
@@ -386,14 +432,14 @@ def test_e2e_a_grammar_that_dead_ends_finishes_error(client, caplog):
 def test_e2e_a_named_function_is_called_whole_and_streamed_alike(client):
     body = {"messages": CHAT, "tools": TOOLS, "tool_choice": NAMED_ADD, "max_tokens": 300}
     (choice,) = client.post("/v1/chat/completions", json=body).json()["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "add"
     jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["function"]["parameters"])
     chunks = [json.loads(line[6:]) for line in client.post("/v1/chat/completions", json={**body, "stream": True})
               .text.splitlines() if line.startswith("data: {")]
     content, calls, finish = reassembled(chunks)
-    assert (content, finish) == ("", "tool_calls") and [c["function"] for c in calls] == [call["function"]]
+    assert (content, finish) == ("", "stop") and [c["function"] for c in calls] == [call["function"]]
 
 
 def test_e2e_required_calls_listed_functions_with_valid_arguments(client):

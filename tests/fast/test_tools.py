@@ -75,6 +75,25 @@ def test_an_output_that_ends_inside_a_block():
     assert calls_of(parse_tool_calls(complete)[1]) == [("add", {"a": 1, "b": 2})]
     cut = '<tool_call>\n{"name": "add", "argu'  # max_tokens cut it
     assert parse_tool_calls(cut) == (cut, [])
+    closing = complete + "\n</tool_"  # cut inside the closing tag: the JSON is whole
+    assert parse_tool_calls(closing)[0] is None and calls_of(parse_tool_calls(closing)[1]) == [("add", {"a": 1, "b": 2})]
+
+
+def test_a_forced_call_cut_short_is_a_call_with_the_arguments_so_far():
+    """tool_choice "required" or a named function, max_tokens reached inside the call: OpenAI and
+    vLLM answer with the call, its arguments cut; text outside a call is none (the grammar forced it)."""
+    partial = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b'
+    for forced in ("", "add"):
+        content, (cut,) = parse_tool_calls(partial, forced)
+        assert content is None and (cut.name, cut.arguments) == ("add", '{"a": 1, "b')
+    before_arguments = '<tool_call>\n{"name": "ad'
+    content, (named,) = parse_tool_calls(before_arguments, "add")  # the request named the function
+    assert content is None and (named.name, named.arguments) == ("add", "")
+    assert parse_tool_calls(before_arguments, "") == (None, [])  # "required": no function named yet
+    whole = call("add", {"a": 1, "b": 2}) + "\n" + partial  # a whole call, then one cut
+    assert [(c.name, c.arguments) for c in parse_tool_calls(whole, "")[1]] == [
+        ("add", '{"a": 1, "b": 2}'), ("add", '{"a": 1, "b')]
+    assert parse_tool_calls(partial) == (partial, [])  # tool_choice "auto": a cut block is text
 
 
 def test_text_without_calls_is_left_alone():
@@ -207,6 +226,21 @@ def test_parameters_with_defs_keep_their_references(ll_tokenizer):
     assert not accepts(ll_tokenizer, forced, call("move", {"to": {"y": 3}}))
 
 
+def test_parameters_references_resolve_against_the_parameters(ll_tokenizer):
+    """"#" and "#/properties/..." are the parameters' own root, as in the function's schema
+    (they once resolved against the call's object around it, and checked the wrong thing)."""
+    alias = {"name": "f", "parameters": {"type": "object", "properties": {
+        "name": {"type": "integer"}, "b": {"$ref": "#/properties/name"}}, "required": ["name", "b"]}}
+    forced = tool_constraint([alias], [0], many=False)
+    assert accepts(ll_tokenizer, forced, call("f", {"name": 3, "b": 4}))
+    assert not accepts(ll_tokenizer, forced, call("f", {"name": 3, "b": "f"}))
+    tree = {"name": "tree", "parameters": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "child": {"$ref": "#"}}, "required": ["v"]}}
+    forced = tool_constraint([tree], [0], many=False)
+    assert accepts(ll_tokenizer, forced, call("tree", {"v": 1, "child": {"v": 2}}))
+    assert not accepts(ll_tokenizer, forced, call("tree", {"v": 1, "child": {"name": "tree", "arguments": {"v": 2}}}))
+
+
 def test_a_function_without_parameters_takes_an_empty_object(ll_tokenizer):
     forced = tool_constraint([{"name": "now"}], [0], many=False)
     assert accepts(ll_tokenizer, forced, call("now", {}))
@@ -232,11 +266,11 @@ def test_what_each_tool_choice_asks():
     assert choose(tools, "none") == (False, None)  # the template still shows the tools (vLLM's default)
     assert choose(None, None) == (False, None) and choose(None, "auto") == (False, None)
     parse, forced = choose(tools, "required")
-    assert parse and forced.kind == "grammar" and '"const": "get_weather"' in forced.grammar
-    assert '"const": "add"' in forced.grammar and 'call ("\\n"? call)*' in forced.grammar
+    assert parse and forced.kind == "grammar" and '"\\"get_weather\\""' in forced.grammar
+    assert '"\\"add\\""' in forced.grammar and 'call ("\\n"? call)*' in forced.grammar
     assert "call ("not in choose(tools, "required", parallel=False)[1].grammar
     parse, forced = choose(tools, NamedToolChoice.model_validate({"type": "function", "function": {"name": "add"}}))
-    assert parse and '"const": "add"' in forced.grammar and "get_weather" not in forced.grammar
+    assert parse and '"\\"add\\""' in forced.grammar and "get_weather" not in forced.grammar
 
 
 def test_llm_chat_renders_tools(model, tokenizer):
