@@ -24,7 +24,7 @@ from pagedlm.params import SamplingParams, check_structured_outputs, check_token
 from pagedlm.tokenizer import compile_chat_template, content_text
 
 from .protocol import APIError, ChatRequest, CompletionRequest, NamedToolChoice, _ChatTemplateFields, _GenerationRequest
-from .tools import FUNCTION_NAME, check_tools, choose, history_calls
+from .tools import FUNCTION_NAME, auto_constraint, check_tools, choose, history_calls
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
@@ -106,10 +106,14 @@ class Planner:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         parallel = req.parallel_tool_calls is not False
-        if req.tool_choice is not None and req.tools is None:  # (OpenAI's and vLLM's refusal)
+        if req.tool_choice not in (None, "none") and req.tools is None:  # (vLLM's refusal; OpenAI's too)
             raise APIError(400, "tool_choice is only allowed when the request has tools", param="tool_choice")
-        parse_calls, forced = choose(check_tools(req.tools), req.tool_choice, parallel)
-        options = self._options(req, logprobs, None, self._constraint(req, ("tool_choice", forced)))
+        tools = check_tools(req.tools)
+        parse_calls, forced = choose(tools, req.tool_choice, parallel)
+        constraint = self._constraint(req, ("tool_choice", forced))
+        if parse_calls and forced is None:  # "auto": strict functions, or an answer beside calls
+            constraint = auto_constraint(tools, constraint, parallel)
+        options = self._options(req, logprobs, None, constraint)
         prompt = self.chat_prompt(req)
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"

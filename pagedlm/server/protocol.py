@@ -305,7 +305,7 @@ class FunctionDefinition(_Request):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # the JSON schema of an object
-    strict: bool | None = None  # accepted: "required" and named calls follow the schema either way
+    strict: bool | None = None  # true: under "auto" too, calls follow the schema ("required" and named always do)
 
 
 class ToolDefinition(_Request):

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_OBJECT = {"type": "object"}  # a non-strict function's arguments beside strict ones (tool_choice "auto")
 KEY_NAME, KEY_ARGUMENTS = json.dumps('"name"'), json.dumps('"arguments"')  # (Lark string literals)
 
 
@@ -127,11 +128,40 @@ def choose(tools: list[dict] | None, tool_choice: str | NamedToolChoice | None,
     return True, tool_constraint(functions, [names.index(choice.function.name)], many=False)
 
 
-def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> "Constraint":
+def auto_constraint(tools: list[dict], own: "Constraint | None", many: bool) -> "Constraint | None":
+    """The constraint of a ``tool_choice: "auto"`` row, given the request's
+    ``own`` (``response_format``, ``structured_outputs``, ``guided_*``): with
+    a function that asks for ``strict`` arguments, or a JSON answer asked
+    for, `tool_constraint` of every listed function (its text then that
+    answer, and strict functions' arguments valid against their
+    parameters); else ``own`` as it is. `APIError` for strict functions
+    beside a regex, choice or grammar, which no call could follow."""
+    functions = [tool["function"] for tool in tools]
+    strict = [i for i, f in enumerate(functions) if f.get("strict")]
+    if own is not None and own.kind not in ("json", "json_object"):
+        if strict:
+            where = f"tools[{strict[0]}].function.strict"
+            raise APIError(400, f"{where}: a strict function's calls cannot follow the request's {own.kind} "
+                           "constraint: send one", param=where)
+        return own
+    if own is None and not strict:
+        return None
+    answer = None if own is None else own.json if own.kind == "json" else {"type": "object"}
+    return tool_constraint(functions, list(range(len(functions))), many=many, checked=strict, answer=answer,
+                           text=own is None)
+
+
+def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool, checked: list[int] | None = None,
+                    answer: dict | None = None, text: bool = False) -> "Constraint":
     """A Lark grammar (llguidance's dialect) for ``<tool_call>`` blocks of
     the ``chosen`` functions, each a JSON object of the function's name and
-    arguments valid against its ``parameters``: one block, or with ``many``
-    one or more. The output is complete after a block (the row ends "stop").
+    arguments, valid against its ``parameters`` (only those of ``checked``,
+    if given; the others' any object): one block, or with ``many`` one or
+    more (the output is complete after them: the row ends "stop"); or,
+    ``answer`` (a JSON schema), those calls or that JSON value; or, with
+    ``text``, free text in which a ``<tool_call>`` tag can only begin such a
+    call (tool_choice "auto" with strict functions: `auto_constraint`;
+    without ``many``, the one call ends the output).
     `APIError` naming a function whose parameters llguidance cannot follow."""
     from pagedlm.structured import Constraint
     from pagedlm.structured.constraint import JSON_SPACE, json_rule
@@ -139,6 +169,8 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> 
     rules = []
     for i in chosen:
         parameters = functions[i].get("parameters") or NO_PARAMETERS
+        if checked is not None and i not in checked:
+            parameters = ANY_OBJECT
         where = f"tools[{i}].function.parameters"
         try:
             Constraint(json=parameters).validate()
@@ -150,7 +182,17 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool) -> 
         rules.append(f'fn{i}: "{{" WS? {KEY_NAME} WS? ":" WS? {name} WS? "," WS? {KEY_ARGUMENTS} WS? ":" WS? args{i} WS? "}}"')
         rules.append(f"args{i}: %json {json_rule(parameters)}")  # numbers bounded, whitespace as in json rows
     rules.append(f"WS: /{JSON_SPACE}/")  # (as between the tokens of a JSON value)
-    start = 'start: call ("\\n"? call)*' if many else "start: call"
+    calls = 'call ("\\n"? call)*' if many else "call"
+    if text:  # each "<" begins a lexeme of its own, so that the tag is never inside a longer one
+        # (one call ends the output: were text allowed after it, a second tag, which no call may
+        # begin there, would lex as text: "<tool_cal" then "l>...")
+        start = "start: text? (call text?)*" if many else "start: text? (call WS?)?"
+        rules += ["text: (TEXT | ANGLED)+", "TEXT: /[^<]+/", f"ANGLED: /<[^<]*/ & ~/{re.escape(TOOL_CALL_OPEN)}[^<]*/"]
+    elif answer is not None:
+        start = f"start: answer | {calls}"
+        rules.append(f"answer: %json {json_rule(answer)} WS?")  # (as a json row: one space may end it)
+    else:
+        start = f"start: {calls}"
     call = (f'call: {json.dumps(TOOL_CALL_OPEN)} "\\n"? ({" | ".join(f"fn{i}" for i in chosen)}) "\\n"? '
             f"{json.dumps(TOOL_CALL_CLOSE)}")
     try:

@@ -122,6 +122,22 @@ def test_tool_choice_asks_for_parsing_and_forced_calls(planner):
     assert not single.parallel_tool_calls and single.options[0].structured_outputs != required
 
 
+def test_auto_constrains_only_for_strict_functions_or_a_json_answer(planner):
+    """tool_choice "auto": strict functions' calls are checked (the text around them free); a JSON
+    response_format beside tools is that answer or calls; a guided regex holds the output as it is."""
+    strict = [{"type": "function", "function": {**ADD["function"], "strict": True}}, LOOKUP]
+    auto = plan(planner, "chat", tools=strict)
+    grammar = auto.options[0].structured_outputs.grammar
+    assert auto.parse_tool_calls and auto.forced_tool is None and grammar.startswith("start: text? (call text?)*")
+    answer = plan(planner, "chat", tools=TOOLS, response_format={"type": "json_object"})
+    assert answer.options[0].structured_outputs.grammar.startswith("start: answer | call")
+    regex = plan(planner, "chat", tools=TOOLS, guided_regex="[a-z]+").options[0].structured_outputs
+    assert regex == Constraint(regex="[a-z]+").validate()
+    with pytest.raises(APIError) as e:
+        plan(planner, "chat", tools=strict, guided_regex="[a-z]+")
+    assert (e.value.status, e.value.param) == (400, "tools[0].function.strict")
+
+
 def test_tool_history_renders_through_the_template(planner):
     """A past call's arguments (JSON text on the wire) reach the template as an object, as transformers'."""
     history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
@@ -205,7 +221,6 @@ BAD = {  # case: (path, body fields, the param the error names)
     "a json_schema name OpenAI refuses": ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "a b!", "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
     "tool_choice auto without tools": ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    "tool_choice none without tools": ("chat", {"tool_choice": "none"}, "tool_choice"),
     "tool_choice required with no tools": ("chat", {"tools": [], "tool_choice": "required"}, "tool_choice"),
     "a schema nested deeper than llguidance reads": (  # (as text: Python's recursion limit, not the body's)
         "chat", {"guided_json": '{"type": "object", "properties": {"a": ' * 300 + "{}" + "}}" * 300},
@@ -258,7 +273,7 @@ def test_messages_too_deep_to_render_are_a_400(planner, monkeypatch):
 
 
 def test_fields_that_ask_for_nothing_are_accepted(client):
-    for fields in [{"response_format": {"type": "text"}}, {"tools": [], "tool_choice": "none"},
+    for fields in [{"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tools": [], "tool_choice": "none"},
                    {"tools": [], "tool_choice": "auto"}, {"tools": []}, {"guided_decoding_backend": "auto"},
                    {"structured_outputs": None},
                    {"parallel_tool_calls": False}]:

@@ -14,8 +14,9 @@ import pytest
 
 from pagedlm.loading import resolve
 from pagedlm.server.protocol import APIError, NamedToolChoice, ToolDefinition
-from pagedlm.server.tools import ToolCallStream, check_tools, choose, parse_tool_calls, tool_constraint
-from pagedlm.structured import llguidance_tokenizer
+from pagedlm.server.tools import (ToolCallStream, auto_constraint, check_tools, choose, parse_tool_calls,
+                                  tool_constraint)
+from pagedlm.structured import Constraint, llguidance_tokenizer
 from pagedlm.tokenizer import Tokenizer, tools_preamble
 from tests.helpers import tiny_tokenizer
 
@@ -239,6 +240,43 @@ def test_parameters_references_resolve_against_the_parameters(ll_tokenizer):
     forced = tool_constraint([tree], [0], many=False)
     assert accepts(ll_tokenizer, forced, call("tree", {"v": 1, "child": {"v": 2}}))
     assert not accepts(ll_tokenizer, forced, call("tree", {"v": 1, "child": {"name": "tree", "arguments": {"v": 2}}}))
+
+
+def test_auto_with_a_strict_function_leaves_text_free_and_checks_the_calls(ll_tokenizer):
+    """tool_choice "auto", a function with strict: true: the model writes what it likes, but a
+    <tool_call> tag can only begin a call of a listed function, a strict one's arguments valid
+    (the openai SDK's pydantic_function_tool sends strict: true)."""
+    tools = [{"type": "function", "function": {**ADD, "strict": True}}, {"type": "function", "function": WEATHER}]
+    auto = auto_constraint(tools, None, many=True)
+    for text in ["", "Hello.", "3 < 4 and a <b>tag</b>, <tool <tool_cal <<", "Sure. " + call("add", {"a": 1, "b": 2}),
+                 call("add", {"a": 1, "b": 2}) + " and " + call("get_weather", {"anything": [1]}) + " done"]:
+        assert accepts(ll_tokenizer, auto, text), text
+    for text in [call("add", {"a": "1", "b": 2}),  # a strict function's arguments checked
+                 call("mul", {"a": 1}),  # only listed functions
+                 "Sure <tool_call>junk</tool_call>"]:  # a tag that begins no call
+        assert not accepts(ll_tokenizer, auto, text), text
+    single = auto_constraint(tools, None, many=False)  # parallel_tool_calls: false
+    assert accepts(ll_tokenizer, single, "a " + call("add", {"a": 1, "b": 2}))
+    assert not accepts(ll_tokenizer, single, call("add", {"a": 1, "b": 2}) + call("add", {"a": 1, "b": 2}))
+    assert not accepts(ll_tokenizer, single, call("add", {"a": 1, "b": 2}) + "<tool_call>junk")
+    assert auto_constraint(TOOLS, None, many=True) is None  # no strict function: nothing to constrain
+
+
+def test_auto_beside_a_json_answer_is_that_answer_or_calls(ll_tokenizer):
+    """response_format (a JSON schema or object) with tools under "auto": the output is the
+    answer or calls, as OpenAI's; the constraint alone would leave no room for a call."""
+    answer = Constraint(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    for own in (answer.validate(), Constraint(json_object=True).validate()):
+        both = auto_constraint(TOOLS, own, many=True)
+        assert accepts(ll_tokenizer, both, '{"ok": true}') and accepts(ll_tokenizer, both, call("add", {"a": 1, "b": 2}))
+        assert not accepts(ll_tokenizer, both, "Sure.") and not accepts(ll_tokenizer, both, '[1]')
+    assert not accepts(ll_tokenizer, auto_constraint(TOOLS, answer.validate(), many=True), '{"ok": 1}')
+    regex = Constraint(regex="[a-z]+").validate()
+    assert auto_constraint(TOOLS, regex, many=True) is regex  # a regex holds the output, as without tools
+    strict = [{"type": "function", "function": {**ADD, "strict": True}}]
+    with pytest.raises(APIError) as e:
+        auto_constraint(strict, regex, many=True)
+    assert e.value.param == "tools[0].function.strict"
 
 
 def test_a_function_without_parameters_takes_an_empty_object(ll_tokenizer):
