@@ -294,7 +294,7 @@ def _constraint(args):
         flag, text = f"--json-schema {args.json_schema}", _read(args.json_schema, f"{where}: --json-schema")
         try:
             asked = {"json": json.loads(text)}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # (nested past Python's recursion limit)
             raise CliError(f"{where}: {flag} is not JSON ({e})") from None
     elif getattr(args, "grammar", None) is not None:
         flag, asked = f"--grammar {args.grammar}", {"grammar": _read(args.grammar, f"{where}: --grammar")}
@@ -375,7 +375,7 @@ def cmd_generate(args) -> int:
     print(f"pagedlm: {describe_store(engine)}", file=sys.stderr)
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []  # ('' too)
-        ids = tokenizer.encode_chat(messages + [{"role": "user", "content": prompt}])
+        ids = _chat_ids(tokenizer, messages + [{"role": "user", "content": prompt}], "pagedlm generate: --chat")
     else:
         ids = tokenizer.encode(prompt)
     last = None
@@ -385,7 +385,20 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     _print_stats(last)
+    if last is not None and last.finish_reason == "error":  # (the engine logged why)
+        print("pagedlm generate: the output's constraint allowed no further token: the output is incomplete",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _chat_ids(tokenizer, messages: list[dict], where: str) -> list[int]:
+    """``messages`` through the chat template; a `CliError` when the model has
+    none, or its template fails or refuses them (``raise_exception``)."""
+    try:
+        return tokenizer.encode_chat(messages)
+    except ValueError as e:
+        raise CliError(f"{where}: {e}") from None
 
 
 class _PrefillBar:
@@ -496,11 +509,11 @@ def cmd_chat(args) -> int:
         reply, last = [], None
         try:
             with _Interrupt() as interrupt:  # Ctrl-C stops this reply; what was shown stays in the conversation
-                for last in _stream(engine, tokenizer.encode_chat(turn), options, interrupt):
+                for last in _stream(engine, _chat_ids(tokenizer, turn, "pagedlm chat"), options, interrupt):
                     sys.stdout.write(last.text)
                     sys.stdout.flush()
                     reply.append(last.text)
-        except opt.OptionError as e:  # e.g. the conversation outgrew max_model_len: say so, keep it
+        except (opt.OptionError, CliError) as e:  # e.g. the conversation outgrew max_model_len: say so, keep it
             print(f"error: {e}", file=sys.stderr)
             continue
         sys.stdout.write("\n")

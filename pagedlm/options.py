@@ -635,6 +635,13 @@ def _seconds(text: str | float, name: str) -> float:
     return value
 
 
+def tp_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds a tensor-parallel collective may wait for the other ranks:
+    ``PAGEDLM_TP_TIMEOUT`` (default 120), read when the ranks start."""
+    raw = (os.environ if environ is None else environ).get("PAGEDLM_TP_TIMEOUT", "")
+    return _seconds(raw, "PAGEDLM_TP_TIMEOUT") if raw.strip() else 120.0
+
+
 def _nonneg_int(text: str | int, name: str) -> int:
     try:
         value = int(text)

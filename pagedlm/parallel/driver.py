@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from pagedlm.loading.quant import weight_bytes
-from pagedlm.options import OptionError
+from pagedlm.options import OptionError, tp_timeout
 from pagedlm.models.base import DecoderLM
 
 from .layers import Comm
@@ -47,7 +47,6 @@ from .shard import build_args, check_float, load_shard, model_config, source_for
 from .store import MirroredStore
 from .worker import rank_device, serve, step_fields, threads_per_rank, worker_main
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("PAGEDLM_TP_TIMEOUT", 120)))
 STARTUP_TIMEOUT = timedelta(seconds=600)  # workers import torch and load their shards
 FAULT_EXIT_S = 1.0  # the failed step's errors reach the clients first
 STOP_WAIT_S = 5.0
@@ -209,6 +208,7 @@ def start(spec: object, *, size: int, backend: str, device: str | torch.device, 
     float ``DecoderLM`` in memory (left as it is; its tensors are shared
     with the workers, which copy their slices)."""
     env = os.environ if environ is None else environ
+    timeout = timedelta(seconds=tp_timeout(env))
     device = torch.device(device)
     if isinstance(spec, nn.Module):
         check_float(spec)
@@ -235,7 +235,7 @@ def start(spec: object, *, size: int, backend: str, device: str | torch.device, 
     processes = [] if launched else [
         ctx.Process(target=worker_main, daemon=True, name=f"pagedlm-tp-{rank}",
                     args=(rank, size, host, store.port, backend, str(device), dtype, spec, quantization,
-                          COLLECTIVE_TIMEOUT, errors, os.getpid()))
+                          timeout, errors, os.getpid()))
         for rank in range(1, size)]
     workers = _Workers(processes, errors)
     try:
@@ -244,7 +244,7 @@ def start(spec: object, *, size: int, backend: str, device: str | torch.device, 
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(size))
         _await_workers(store, size, workers)
-        comm = Comm(store, 0, size, backend, COLLECTIVE_TIMEOUT, rank_device(device, 0))
+        comm = Comm(store, 0, size, backend, timeout, rank_device(device, 0))
         shard = load_shard(config, part, comm, source, rank_device(device, 0), dtype, where)
         del source
         sizes = comm.report(weight_bytes(shard))
@@ -279,7 +279,7 @@ def run_worker_from_env(spec: object, *, backend: str, device: str | torch.devic
     env = os.environ if environ is None else environ
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
     serve(rank, size, _env_store(env, rank, size), backend, torch.device(device), dtype, str(spec), quantization,
-          COLLECTIVE_TIMEOUT)
+          timedelta(seconds=tp_timeout(env)))
 
 
 def _env_store(env, rank: int, size: int) -> dist.Store:

@@ -209,6 +209,8 @@ def test_constraint_flags_are_exclusive_and_choice_repeats(command, capsys):
     ("--json-schema", '{"type": "objectx"}', "--json-schema {path}: json is not a JSON schema pagedlm can follow"),
     ("--grammar", "start: foo", "--grammar {path}: grammar does not compile"),
     ("--regex", None, "--regex: regex 'a{{3' does not compile"),
+    pytest.param("--json-schema", "[" * 5000 + "]" * 5000, "--json-schema {path} is not JSON (maximum recursion depth",
+                 id="json nested past Python's recursion limit"),
 ])
 def test_a_bad_constraint_is_one_line_and_exit_2_before_loading(tmp_path, monkeypatch, capsys, flag, content,
                                                                 message):
@@ -237,3 +239,26 @@ def test_e2e_generate_follows_each_constraint_flag(tiny_load, tmp_path, capsys):
         assert main(["generate", "--max-tokens", "200", *flags, "x"]) == 0
         out = capsys.readouterr().out.removesuffix("\n")
         assert ok(out), (flags, out)
+
+
+def test_generate_exits_1_when_the_constraint_dead_ends(tiny_load, tmp_path, capsys):
+    """A grammar naming a special token the tokenizer lacks compiles only with it: the row dies
+    at its first mask ("error"), and the output is not what was asked for."""
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: <|no_such_token|> "x"')
+    assert main(["generate", "--max-tokens", "5", "--grammar", str(grammar), "x"]) == 1
+    assert "the output's constraint allowed no further token" in capsys.readouterr().err
+
+
+def test_a_chat_template_that_refuses_is_one_line(tiny_load, monkeypatch, capsys):
+    """(A model without a template, or one whose template raises: the same ValueError.) generate
+    exits 2; chat says so and keeps the conversation."""
+    def refuse(messages, *args, **kwargs):
+        raise ValueError("chat template: System role not supported")
+    monkeypatch.setattr(tiny_load[1], "encode_chat", refuse)
+    assert main(["generate", "--chat", "--system", "s", "x"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "pagedlm generate: --chat: chat template: System role not supported"
+    _chat(monkeypatch, ["hi", "again"])
+    assert main(["chat", "--system", "s"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("error: pagedlm chat: chat template: System role not supported\n") == 2 and "Traceback" not in err

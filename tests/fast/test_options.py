@@ -224,3 +224,18 @@ def test_dtype_takes_vllms_spellings_and_torch_dtypes():
     for bad in ("double", torch.float64, 16):
         with pytest.raises(opt.OptionError, match="--dtype must be auto, float32, bfloat16, float16, float, half"):
             opt.resolve_dtype(bad, "cpu")
+
+
+def test_the_tensor_parallel_timeout_is_read_when_the_ranks_start_and_checked():
+    """A bad PAGEDLM_TP_TIMEOUT once crashed every command at import (even --version)."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pagedlm.cli", "--version"], capture_output=True, text=True,
+                         env={**os.environ, "PAGEDLM_TP_TIMEOUT": "abc"})
+    assert run.returncode == 0 and run.stderr == ""
+    assert opt.tp_timeout({}) == 120.0 and opt.tp_timeout({"PAGEDLM_TP_TIMEOUT": "30"}) == 30.0
+    for bad in ("abc", "inf", "nan", "0", "-5"):
+        with pytest.raises(opt.OptionError, match="PAGEDLM_TP_TIMEOUT must be a number of seconds > 0"):
+            opt.tp_timeout({"PAGEDLM_TP_TIMEOUT": bad})
