@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+from pathlib import Path
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -633,6 +634,13 @@ def _seconds(text: str | float, name: str) -> float:
     if not 0 < value < math.inf:
         raise OptionError(f"{name} must be a number of seconds > 0 (got {text!r})")
     return value
+
+
+def cache_dir() -> Path:
+    """Where pagedlm keeps what it builds once (conversions, quantized weights,
+    kernels, compiled code): ``PAGEDLM_CACHE_DIR``, unset or empty
+    ``~/.cache/pagedlm``."""
+    return Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
 
 
 def tp_timeout(environ: Mapping[str, str] | None = None) -> float:

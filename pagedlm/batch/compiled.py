@@ -59,6 +59,7 @@ from pagedlm.attention.sdpa import attend_rows
 from pagedlm.cache.step import StepBatch
 from pagedlm.kernels import cpu_quant
 from pagedlm.kernels.quant import QuantizedWeight
+from pagedlm.options import cache_dir
 
 if TYPE_CHECKING:
     from pagedlm.cache.store import KVStore
@@ -147,8 +148,7 @@ def use_cache_dir() -> str:
 
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
-        base = os.environ.get("PAGEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedlm")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 

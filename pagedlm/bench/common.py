@@ -18,6 +18,7 @@ import torch
 
 from .. import options as opt
 from ..loading import load, resolve
+from ..loading.hf import read_config
 from ..loading.quant import quantize_model
 from ..models import build_model
 from ..models.layers import FUSED_PROJECTIONS
@@ -63,7 +64,7 @@ def load_random(folder: str, device: str, dtype: torch.dtype):
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise opt.OptionError(f"--random-weights needs a folder with a config.json (got {folder!r})")
-    config = json.loads(path.read_text())
+    config = read_config(folder)  # (checked as a model's own: a LoadError names what is wrong)
     with torch.device(device):
         model = build_model(config).to(dtype).eval()
     g = torch.Generator(device).manual_seed(0)

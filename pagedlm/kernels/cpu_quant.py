@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.options import CPU_QUANT_KERNEL_ENV
+from pagedlm.options import CPU_QUANT_KERNEL_ENV, cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 FLAGS = ("-O3", "-march=native")
@@ -70,7 +70,7 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path:
                f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *command, version, torch.__version__, _cpu_flags()]).encode())
-    cache = Path(os.environ.get("PAGEDLM_CACHE_DIR", Path.home() / ".cache" / "pagedlm")) / "cpu_quant"
+    cache = cache_dir() / "cpu_quant"
     target = cache / f"cpu_quant-{key.hexdigest()[:16]}.so"
     if not target.exists():
         print(f"pagedlm: building the integer CPU kernel for quantized weights (once, ~6 s; cached in {cache})",

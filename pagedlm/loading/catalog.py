@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pagedlm.options import DEFAULT_MODEL
+from pagedlm.options import DEFAULT_MODEL, cache_dir
 
 from .errors import LoadError, ModelNotFound, error_detail
 
@@ -25,9 +25,6 @@ CONVERTER_VERSION = 1  # bump when conversion output changes, so stale caches ar
 # What reading a broken or foreign file raises (gguf-py, numpy, our converter).
 _BAD_FILE_ERRORS = (ValueError, KeyError, IndexError, EOFError, OverflowError)
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLM_CACHE_DIR") or Path.home() / ".cache" / "pagedlm")
 
 
 # ---------------------------------------------------------------- built-ins

@@ -38,6 +38,7 @@ names the source folder, so its length varies with a path's).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -50,8 +51,9 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from pagedlm.kernels.quant import ALIGN, GROUP_SIZE, QuantizedWeight, int4_fits, pack_int4, quantize
+from pagedlm.options import cache_dir
 
-from .catalog import cache_dir, converted_from
+from .catalog import converted_from
 from .errors import LoadError
 from .hf import build_meta, check_loaded, fill, open_weights, read_config, weight_files
 
@@ -168,14 +170,18 @@ def convert(folder: str | Path, mode: str, out: Path) -> None:
             else:
                 stored[key] = w.contiguous()
         del weights
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         save_aligned(stored, tmp, metadata={"format": "pt", "quantization": mode, "group_size": str(GROUP_SIZE),
                                             "source": str(Path(folder).resolve())})
         os.replace(tmp, out)  # atomic: a file under its final name is complete
+    except OSError as e:
+        raise LoadError(f"cannot write the quantized weights' cache {out.parent}: {e.strerror or e} "
+                        "(set PAGEDLM_CACHE_DIR to a writable folder)") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def load_quantized(folder: str | Path, mode: str, device: str | torch.device, dtype: torch.dtype) -> nn.Module:

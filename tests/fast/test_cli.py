@@ -262,3 +262,12 @@ def test_a_chat_template_that_refuses_is_one_line(tiny_load, monkeypatch, capsys
     assert main(["chat", "--system", "s"]) == 0
     err = capsys.readouterr().err
     assert err.count("error: pagedlm chat: chat template: System role not supported\n") == 2 and "Traceback" not in err
+
+
+def test_random_weights_read_the_config_as_a_model_folder_does(tmp_path, capsys):
+    """--random-weights once built straight from config.json: a field of the wrong type was a traceback."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": "abc"}')
+    assert main(["bench", "decode", "--random-weights", "--model", str(tmp_path), "--device", "cpu",
+                 "--prompt-len", "8", "--gen-len", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path}/config.json: " in err and "Traceback" not in err

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +26,11 @@ from safetensors.torch import save_file
 from pagedlm import options as opt
 from pagedlm.batch.solo import Solo
 from pagedlm.cli import main
+from pagedlm.options import cache_dir
 from pagedlm.kernels.quant import ALIGN, GROUP_SIZE, QuantizedWeight, dequantize, quantize
 from pagedlm.loading import load, load_model
 from pagedlm.loading import quant as lq
+from pagedlm.loading.errors import LoadError
 from pagedlm.models import build_model
 
 KERNEL_REL = 4 * 2.0**-9
@@ -250,6 +253,18 @@ def test_a_changed_source_is_converted_again(tmp_path, monkeypatch):
     first = lq.quantized_path(folder, "int8")
     save_file({"x": torch.zeros(1)}, folder / "model.safetensors")
     assert lq.quantized_path(folder, "int8") != first
+
+
+def test_an_unwritable_cache_is_a_load_error_naming_it(tmp_path, monkeypatch):
+    """(Was NotADirectoryError's traceback.) An empty PAGEDLM_CACHE_DIR is unset, as everywhere."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(blocker))
+    folder = _folder(tmp_path, "llama-tied")
+    with pytest.raises(LoadError, match=r"cannot write the quantized weights' cache .*set PAGEDLM_CACHE_DIR"):
+        lq.convert(folder, "int8", lq.quantized_path(folder, "int8"))
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", "")
+    assert cache_dir() == Path.home() / ".cache" / "pagedlm"
 
 
 # ---------------------------------------------------------------- flag and environment
