@@ -413,6 +413,9 @@ def check_refusals(settings: Settings, set_by: Mapping[str, str] | None = None) 
 # flag, shared by `generate`, `chat`, `bench` and `serve`.
 
 
+MAX_BYTES = 1024**5  # a byte count's largest: 1024T
+
+
 def _byte_count(text: str | int, name: str) -> int:
     """An integer byte count, with an optional K/M/G/T suffix (powers of 1024)."""
     raw = str(text).strip()
@@ -426,6 +429,8 @@ def _byte_count(text: str | int, name: str) -> int:
         raise OptionError(f"{name} must be a byte count such as 4294967296 or 4G (got {text!r})") from None
     if value <= 0:
         raise OptionError(f"{name} must be > 0 (got {text!r})")
+    if value > MAX_BYTES:  # (beyond it torch's size arithmetic overflows before any allocator can refuse)
+        raise OptionError(f"{name} must be at most 1024T bytes (got {text!r})")
     return value
 
 

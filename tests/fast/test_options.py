@@ -239,3 +239,11 @@ def test_the_tensor_parallel_timeout_is_read_when_the_ranks_start_and_checked():
     for bad in ("abc", "inf", "nan", "0", "-5"):
         with pytest.raises(opt.OptionError, match="PAGEDLM_TP_TIMEOUT must be a number of seconds > 0"):
             opt.tp_timeout({"PAGEDLM_TP_TIMEOUT": bad})
+
+
+def test_a_byte_count_takes_suffixes_and_refuses_what_no_machine_has():
+    assert opt._byte_count("4G", "--kv-budget-bytes") == 4 << 30 and opt._byte_count("1024T", "x") == 1024**5
+    for bad, says in [("0", "must be > 0"), ("4X", "byte count such as"), ("1025T", "at most 1024T"),
+                      ("100000000T", "at most 1024T")]:  # (the last: torch's size overflow, a traceback before)
+        with pytest.raises(opt.OptionError, match=says):
+            opt._byte_count(bad, "--kv-budget-bytes")
