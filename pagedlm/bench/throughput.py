@@ -243,8 +243,9 @@ def _check(args) -> None:
         raise opt.OptionError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
     if args.hf_timeout is not None and not args.hf_timeout > 0:
         raise opt.OptionError(f"--hf-timeout must be > 0 seconds (got {args.hf_timeout})")
-    if args.hf_num_prompts is not None and args.against != "hf":
-        raise opt.OptionError("--hf-num-prompts needs --against hf")
+    for flag in ("hf_num_prompts", "hf_timeout"):
+        if getattr(args, flag) is not None and args.against != "hf":
+            raise opt.OptionError(f"{opt.flag_name(flag)} needs --against hf")
 
 
 def run_throughput_bench(args, engine_options: opt.EngineOptions) -> int:

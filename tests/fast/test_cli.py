@@ -271,3 +271,16 @@ def test_random_weights_read_the_config_as_a_model_folder_does(tmp_path, capsys)
                  "--prompt-len", "8", "--gen-len", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path}/config.json: " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--json-schema", "benchmarks/configs/person.schema.json", "--num-prompts", "8"],
+     "--num-prompts shapes the stores' workload, which --json-schema replaces"),
+    (["--json-schema", "benchmarks/configs/person.schema.json", "--stores", "paged"], "--stores shapes"),
+    (["--hf-timeout", "5"], "--hf-timeout needs --against hf"),
+])
+def test_bench_throughput_refuses_flags_its_run_would_ignore(monkeypatch, capsys, flags, says):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("loaded the model"))
+    assert main(["bench", "throughput", "--model", "/nonexistent", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
