@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from .. import options as opt
+from ..batch.engine import model_context_length
 from ..batch.solo import Solo
 from ..loading import load
 
@@ -99,6 +100,8 @@ def run_ppl_bench(args) -> int:
     windows = None
     for mode in modes:
         model, tokenizer = load(spec, device, dtype, quantization=mode)
+        if window > (context := model_context_length(model)):  # (positions past it: a model never trained there)
+            raise opt.OptionError(f"--window {window} exceeds the model's context ({context} tokens)")
         windows = windows or make_windows(tokenizer, args.tokens, window)
         for kv in kv_modes:
             scorer = Solo if kv is None else partial(Solo, kv_quant=kv, capacity=window)

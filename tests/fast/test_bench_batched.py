@@ -189,6 +189,14 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert "\n" not in err and message in err
 
 
+def test_a_ppl_window_past_the_models_context_is_refused(monkeypatch, model, tokenizer, capsys):
+    """(It scored positions the model never saw in training, silently.) The tiny model: 8192, the default."""
+    monkeypatch.setattr("pagedlm.bench.ppl.load", lambda *args, **kwargs: (model, tokenizer))
+    assert main(["bench", "ppl", "--device", "cpu", "--window", "8193", "--tokens", "9000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--window 8193 exceeds the model's context (8192 tokens)" in err
+
+
 def test_prefix_json_rows(tiny, capsys):
     """Sharing holds the prefix once and computes it once; the chat computes
     only each new turn (whole blocks) with caching, everything without."""
