@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from pagedlm.options import CPU_QUANT_KERNEL_ENV, cache_dir
+from pagedlm.options import CPU_QUANT_KERNEL_ENV, cache_dir, env_flag
 
 SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 FLAGS = ("-O3", "-march=native")
@@ -89,8 +89,9 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path:
 def library() -> bool:
     """Whether the kernel's ops (``torch.ops.pagedlm.cpu_quant_mm``) are loaded;
     False (with a one-line notice where a build failed) where they cannot be
-    built here, and under ``PAGEDLM_CPU_QUANT=0`` (torch's products, as before)."""
-    return os.environ.get(CPU_QUANT_KERNEL_ENV) != "0" and _library()
+    built here, and under ``PAGEDLM_CPU_QUANT=0`` (or another off spelling: torch's
+    products, as before; a value that is no switch is an `OptionError`)."""
+    return env_flag(CPU_QUANT_KERNEL_ENV) is not False and _library()
 
 
 @functools.cache

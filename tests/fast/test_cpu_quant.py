@@ -14,6 +14,7 @@ import torch
 
 from pagedlm.kernels import cpu_quant
 from pagedlm.kernels.quant import QuantizedWeight, dequantize, quantize, unpack_int4
+from pagedlm.options import OptionError
 
 # Where the kernel can be built (x86-64 with AVX2 and a C++ compiler: CI's machines) it must be:
 # a failed build fails these tests instead of skipping them.
@@ -212,3 +213,15 @@ def test_decode_attention_is_attention_over_every_key(heads, dim, length, ns):
     outs = [_on_threads(threads, getattr(torch.ops, ns).decode_attention, q, k, v, 0.125) for threads in (1, 2)]
     assert outs[0].shape == (1, hq, dim) and torch.allclose(outs[0][0].double(), ref, atol=1e-5, rtol=0)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_kernel_switch_reads_every_switch_spelling_and_refuses_others(monkeypatch):
+    """(Any value but "0" once left the kernel on: "false", "off", "maybe".)"""
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("PAGEDLM_CPU_QUANT", off)
+        assert not cpu_quant.library()
+    monkeypatch.setenv("PAGEDLM_CPU_QUANT", "on")
+    assert cpu_quant.library()
+    monkeypatch.setenv("PAGEDLM_CPU_QUANT", "maybe")
+    with pytest.raises(OptionError, match="PAGEDLM_CPU_QUANT must be one of"):
+        cpu_quant.library()
