@@ -54,6 +54,22 @@ class _SyntheticTokenizer:
         return ""
 
 
+def refuse_given(args, engine_options: opt.EngineOptions, bench: str, why: str,
+                 flags: tuple[str, ...] = ("gpu_memory_fraction", "gpu_memory_utilization"),
+                 paged: bool = False, caching: bool = False) -> None:
+    """An `OptionError` for an option a bench sets itself (``why``: how),
+    given by flag or environment: ``flags`` (engine options), ``--no-paged-kv``
+    (``paged``: the bench pages), ``--[no-]prefix-caching`` (``caching``)."""
+    given = [opt.flag_name(name) for name in flags if getattr(engine_options, name, None) is not None]
+    if paged and (args.paged_kv is False or opt.env_flag(opt.PAGED_KV_ENV) is False):
+        given.append("--no-paged-kv")
+    on = args.prefix_caching if args.prefix_caching is not None else opt.env_flag(opt.PREFIX_CACHING_ENV)
+    if caching and on is not None:
+        given.append("--prefix-caching" if on else "--no-prefix-caching")
+    if given:
+        raise opt.OptionError(f"bench {bench} {why}: {given[0]} does not apply")
+
+
 def load_random(folder: str, device: str, dtype: torch.dtype):
     """A model with random weights from a folder's config.json: matrices
     normal(0, 0.02), vectors (norm weights, biases) normal(0, 1) so that a

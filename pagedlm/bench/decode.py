@@ -230,6 +230,9 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
             raise opt.OptionError("--against llama.cpp needs a GGUF model (a built-in name or a .gguf file)")
         if device != "cpu":
             raise opt.OptionError("--against llama.cpp runs on the CPU: add --device cpu")
+    if args.prefix_caching or opt.env_flag(opt.PREFIX_CACHING_ENV):
+        raise opt.OptionError("bench decode prefills each repeat cold (every repeat sends the same prompt): "
+                              "--prefix-caching does not apply")
     if engine_options.paged_kv is not None:  # every repeat sends the same prompt: a prefix hit
         # would make "prefill" one token's step, so each repeat prefills cold
         engine_options = dataclasses.replace(

@@ -43,7 +43,7 @@ from .. import options as opt
 from ..cache.layout import kv_bytes, token_bytes
 from ..llm import LLM
 from ..params import SamplingParams
-from .common import default_store, load_for_bench
+from .common import default_store, load_for_bench, refuse_given
 
 
 MAX_STEP_TOKENS = 16384
@@ -56,6 +56,8 @@ def _check(args) -> None:
 
 def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     _check(args)
+    refuse_given(args, engine_options, "memory", "runs the default and the paged store at one KV budget "
+                 "(--kv-budget-bytes, else 4 padded rows)", paged=True)
     model, tokenizer, device, dtype, spec = load_for_bench(args)
 
     specs = model.kv_spec()

@@ -36,7 +36,7 @@ import time
 from .. import options as opt
 from ..batch.engine import LLMEngine
 from ..params import SamplingParams
-from .common import load_for_bench
+from .common import load_for_bench, refuse_given
 
 
 def _engine(model, tokenizer, options: opt.EngineOptions, caching: bool) -> LLMEngine:
@@ -92,6 +92,8 @@ def _print(row: dict, as_json: bool) -> None:
 
 
 def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
+    refuse_given(args, engine_options, "prefix", "runs the paged store with prefix caching on and off, at one KV "
+                 "budget (--kv-budget-bytes, else what its requests need)", paged=True, caching=True)
     model, tokenizer, device, dtype, spec = load_for_bench(args)
     paged = engine_options.paged_kv or opt.PagedKvOptions()
     specs = model.kv_spec()

@@ -182,6 +182,10 @@ def test_decode_rows_with_a_quantized_mode(tiny, capsys, flag, value, last):
     (["bench", "memory", "--num-long", "-1"], "--num-long"),
     (["bench", "memory", "--kv-quant", "int8"], "needs --paged-kv"),
     (["bench", "ppl", "--kv-quant", "int4"], "--kv-quant must be none, int8, fp8"),
+    (["bench", "memory", "--no-paged-kv"], "bench memory runs the default and the paged store"),
+    (["bench", "prefix", "--no-paged-kv"], "--no-paged-kv does not apply"),
+    (["bench", "prefix", "--no-prefix-caching"], "--no-prefix-caching does not apply"),
+    (["bench", "decode", "--paged-kv", "--prefix-caching"], "--prefix-caching does not apply"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     assert main(argv + ["--device", "cpu"]) == 2
