@@ -235,6 +235,12 @@ REFUSALS: tuple[Refusal, ...] = (
         "prompts through --prompt-cache-bytes)",
     ),
     Refusal(
+        "a prompt cache for the paged store",
+        lambda s: s.get("prompt_cache_bytes") is not None and s.get("paged_kv"),
+        "--prompt-cache-bytes sizes the default store's prompt cache; the paged store (the default on CUDA) "
+        "shares prefixes through --prefix-caching: give --no-paged-kv, or drop it",
+    ),
+    Refusal(
         "two KV budgets",
         lambda s: s.get("kv_budget_bytes") is not None and s.get("gpu_memory_fraction") is not None,
         "--kv-budget-bytes and --gpu-memory-fraction both size the KV budget; give one",
@@ -834,7 +840,8 @@ class ServerOptions:
         values, set_by = _flags_or_env(SERVER_FLAGS, flags, env)
         for name, value in values.items():
             setattr(opts, name, value)
-        check_refusals({**values, "allowed_origins": opts.allowed_origins}, set_by)
         opts.engine = resolve_engine_options(flags, env, resolve_device(opts.device),
                                              prompt_cache_bytes=opts.prompt_cache_bytes)
+        check_refusals({**values, "allowed_origins": opts.allowed_origins,
+                        "paged_kv": opts.engine.paged_kv is not None}, set_by)
         return opts

@@ -247,3 +247,13 @@ def test_a_byte_count_takes_suffixes_and_refuses_what_no_machine_has():
                       ("100000000T", "at most 1024T")]:  # (the last: torch's size overflow, a traceback before)
         with pytest.raises(opt.OptionError, match=says):
             opt._byte_count(bad, "--kv-budget-bytes")
+
+
+def test_a_prompt_cache_for_the_paged_store_is_refused():
+    """(serve --paged-kv --prompt-cache-bytes N started, the cache logged as off.)"""
+    with pytest.raises(opt.UnsupportedOption, match="--prompt-cache-bytes sizes the default store's prompt cache"):
+        opt.ServerOptions.resolve({"paged_kv": True, "prompt_cache_bytes": "1024"}, {})
+    with pytest.raises(opt.UnsupportedOption, match="PAGEDLM_PROMPT_CACHE_BYTES=1024: --prompt-cache-bytes"):
+        opt.ServerOptions.resolve({"paged_kv": True}, {"PAGEDLM_PROMPT_CACHE_BYTES": "1024"})
+    assert opt.ServerOptions.resolve({"prompt_cache_bytes": "1024", "device": "cpu"}, {}).prompt_cache_bytes == 1024
+    assert opt.ServerOptions.resolve({"paged_kv": True}, {}).paged_kv is not None  # the default cache: no refusal
