@@ -25,7 +25,7 @@ from .errors import LoadError, error_detail
 
 # Fields that are counts or sizes: a positive int where config.json gives one.
 _SIZES = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-          "num_key_value_heads", "vocab_size", "head_dim")
+          "num_key_value_heads", "vocab_size", "head_dim", "max_position_embeddings")
 # What building or filling a model raises for a config or weights it does not take.
 _MODEL_ERRORS = (ValueError, TypeError, KeyError, IndexError, NotImplementedError, RuntimeError)
 

@@ -59,6 +59,8 @@ BROKEN = {
     "layers a list": (_config(num_hidden_layers=[2]), ["config.json", "num_hidden_layers must be an integer"]),
     "hidden_size a float": (_config(hidden_size=64.5), ["hidden_size must be an integer", "64.5"]),
     "hidden_size negative": (_config(hidden_size=-64), ["hidden_size must be >= 1"]),
+    "context negative": (_config(max_position_embeddings=-5), ["max_position_embeddings must be >= 1"]),
+    "context zero": (_config(max_position_embeddings=0), ["max_position_embeddings must be >= 1"]),  # (was 8192)
     "eps a string": (_config(rms_norm_eps="small"), ["rms_norm_eps must be a number"]),
     "tie a string": (_config(tie_word_embeddings="yes"), ["tie_word_embeddings must be true or false"]),
     "no hidden_size": (_config(hidden_size=None), ["config.json", "no hidden_size"]),
