@@ -270,6 +270,10 @@ def run_decode_bench(args, engine_options: opt.EngineOptions) -> int:
         runners["llama.cpp"] = _llama_cpp(gguf_path(spec), args.gen_len, max(args.prompt_len) + args.gen_len + 8)
     bandwidth = copy_bandwidth(device) if device.startswith("cuda") else None
 
+    for name, run in runners.items():  # (the warm-up's shorter prompt would be named instead)
+        if hasattr(run, "engine") and max(args.prompt_len) + args.gen_len > run.engine.max_model_len:
+            raise opt.OptionError(f"--prompt-len {max(args.prompt_len)} plus --gen-len {args.gen_len} exceeds "
+                                  f"max_model_len ({run.engine.max_model_len})")
     for n in args.prompt_len:
         ids = WORKLOADS[args.workload](tokenizer, n)
         if len(ids) < n and args.workload == "filler":

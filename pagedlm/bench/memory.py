@@ -40,6 +40,8 @@ import random
 import torch
 
 from .. import options as opt
+from ..batch.engine import model_context_length
+from ..cache.kv import STEP as KV_STEP
 from ..cache.layout import kv_bytes, token_bytes
 from ..llm import LLM
 from ..params import SamplingParams
@@ -63,8 +65,12 @@ def run_memory_bench(args, engine_options: opt.EngineOptions) -> int:
     specs = model.kv_spec()
     bytes_per_token = token_bytes(specs, dtype)
     longest = args.long_len + args.max_tokens
+    if engine_options.max_model_len is None and longest > (context := model_context_length(model)):
+        raise opt.OptionError(f"--long-len {args.long_len} plus --max-tokens {args.max_tokens} exceeds the model's "
+                              f"context ({context} tokens)")
     padded_row = kv_bytes(specs, bytes_per_token, [longest])
-    budget = engine_options.kv_budget_bytes or 4 * padded_row
+    # (four rows, each at least the default store's first allocation)
+    budget = engine_options.kv_budget_bytes or 4 * kv_bytes(specs, bytes_per_token, [max(longest, KV_STEP)])
     paged = engine_options.paged_kv or opt.PagedKvOptions()
     num_requests = args.num_short + args.num_long
     # Neither the row cap nor prefill chunking should limit concurrency here,

@@ -34,7 +34,7 @@ import statistics
 import time
 
 from .. import options as opt
-from ..batch.engine import LLMEngine
+from ..batch.engine import LLMEngine, model_context_length
 from ..params import SamplingParams
 from .common import load_for_bench, refuse_given
 
@@ -100,6 +100,10 @@ def run_prefix_bench(args, engine_options: opt.EngineOptions) -> int:
     token_bytes = sum(2 * s.num_kv_heads * s.head_dim * dtype.itemsize for s in specs)  # every layer pooled
     longest = max(args.prefix_len + args.question_len + args.max_tokens,
                   args.chat_system_len + args.turns * (args.question_len + args.reply_len))
+    if engine_options.max_model_len is None and longest > (context := model_context_length(model)):
+        raise opt.OptionError(f"the longest request ({longest} tokens: --prefix-len + --question-len + "
+                              f"--max-tokens, or --chat-system-len + --turns x (--question-len + --reply-len)) "
+                              f"exceeds the model's context ({context} tokens)")
     budget = engine_options.kv_budget_bytes or token_bytes * (longest + paged.block_size) * max(args.num_requests, 2)
     options = dataclasses.replace(engine_options, paged_kv=paged, kv_budget_bytes=budget, gpu_memory_fraction=None,
                                   max_model_len=engine_options.max_model_len or longest)

@@ -455,3 +455,17 @@ def test_engines_alive_at_once_on_cuda_share_one_kv_budget(monkeypatch):
     given = opt.EngineOptions(kv_budget_bytes=1 << 30)
     assert shared_budget(given, "cuda", 4) == given
     assert shared_budget(base, "cpu", 4) == base
+
+
+def test_bench_errors_name_the_benchs_own_flags(tiny, capsys):
+    """(They named the warm-up's prompt, a --max-model-len never given, and refused the memory
+    bench's own default budget below one 256-token allocation a row.)"""
+    common = ["--model", tiny, "--random-weights", "--device", "cpu"]
+    assert main(["bench", "decode", *common, "--prompt-len", "64", "--gen-len", "8", "--max-model-len", "16"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--prompt-len 64 plus --gen-len 8 exceeds max_model_len (16)")
+    context = TINY["max_position_embeddings"]
+    assert main(["bench", "memory", *common, "--long-len", str(context), "--short-len", "4", "--max-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--long-len {context} plus --max-tokens 2 exceeds the model's "
+                                                    f"context ({context} tokens)")
+    assert main(["bench", "memory", *common, "--long-len", "40", "--short-len", "10", "--num-short", "4",
+                 "--max-tokens", "8", "--json"]) == 0
