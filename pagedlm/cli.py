@@ -311,6 +311,8 @@ def _constraint(args):
 
 
 def _read(path: str, what: str) -> str:
+    if not path:  # (Path("") is the current folder)
+        raise CliError(f"{what}: the path is empty")
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

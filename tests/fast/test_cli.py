@@ -209,6 +209,7 @@ def test_constraint_flags_are_exclusive_and_choice_repeats(command, capsys):
     ("--json-schema", '{"type": "objectx"}', "--json-schema {path}: json is not a JSON schema pagedlm can follow"),
     ("--grammar", "start: foo", "--grammar {path}: grammar does not compile"),
     ("--regex", None, "--regex: regex 'a{{3' does not compile"),
+    pytest.param("--json-schema", "", "--json-schema: the path is empty", id="an empty path"),
     pytest.param("--json-schema", "[" * 5000 + "]" * 5000, "--json-schema {path} is not JSON (maximum recursion depth",
                  id="json nested past Python's recursion limit"),
 ])
@@ -218,7 +219,7 @@ def test_a_bad_constraint_is_one_line_and_exit_2_before_loading(tmp_path, monkey
     path = tmp_path / "c.txt"
     if content is not None:
         path.write_text(content)
-    value = "a{3" if flag == "--regex" else str(path)
+    value = "a{3" if flag == "--regex" else "" if content == "" else str(path)
     assert main(["generate", flag, value, "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("pagedlm generate: " + message.format(path=path)), err
