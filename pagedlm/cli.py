@@ -535,8 +535,18 @@ def cmd_serve(args) -> int:
     return run(options) or 0
 
 
+# bench throughput's flags for the stores' workload, which --json-schema replaces
+STORES_WORKLOAD = ("num_prompts", "min_len", "max_len", "output_len", "seed", "stores", "hf_num_prompts", "hf_timeout")
+
+
 def cmd_bench(args) -> int:
     if args.bench == "throughput" and args.json_schema is not None:
+        defaults = build_parser().parse_args(["bench", "throughput"])
+        for flag in STORES_WORKLOAD:
+            if getattr(args, flag) != getattr(defaults, flag):
+                raise CliError(f"pagedlm bench throughput: {opt.flag_name(flag)} shapes the stores' workload, which "
+                               "--json-schema replaces: its rows are --structured-batch-sizes and "
+                               "--structured-max-tokens")
         constraint = _constraint(args)  # a bad FILE is refused before the model loads
         from .bench.structured import run_structured_bench
 

@@ -155,20 +155,9 @@ def _one_step_prefill(options: opt.EngineOptions, prompts: list[list[int]], devi
                    long_prefill_token_threshold=0 if threshold is None else threshold)
 
 
-WORKLOAD_FLAGS = ("num_prompts", "min_len", "max_len", "output_len", "seed", "stores", "hf_num_prompts",
-                  "hf_timeout")  # bench throughput's stores' workload, which --json-schema replaces
-
-
 def _check(args) -> None:
     if args.against is not None:
         raise opt.OptionError("--json-schema measures pagedlm's masks alone: not with --against")
-    from pagedlm.cli import build_parser
-
-    defaults = build_parser().parse_args(["bench", "throughput"])
-    for flag in WORKLOAD_FLAGS:
-        if getattr(args, flag) != getattr(defaults, flag):
-            raise opt.OptionError(f"{opt.flag_name(flag)} shapes the stores' workload, which --json-schema "
-                                  "replaces: its rows are --structured-batch-sizes and --structured-max-tokens")
     if args.random_weights and not (Path(args.model or "") / "tokenizer.json").is_file():
         raise opt.OptionError("--json-schema needs a tokenizer (grammars are compiled over its vocabulary): "
                               "with --random-weights, a tokenizer.json in the config's folder")
