@@ -17,7 +17,7 @@ from pagedlm.server.protocol import APIError, NamedToolChoice, ToolDefinition
 from pagedlm.server.tools import (ToolCallStream, auto_constraint, check_tools, choose, parse_tool_calls,
                                   tool_constraint)
 from pagedlm.structured import Constraint, llguidance_tokenizer
-from pagedlm.tokenizer import Tokenizer, tools_preamble
+from pagedlm.tokenizer import TOOL_CALL_OPEN, Tokenizer, tools_preamble
 from tests.helpers import tiny_tokenizer
 
 WEATHER = {"name": "get_weather", "parameters": {
@@ -319,3 +319,27 @@ def test_llm_chat_renders_tools(model, tokenizer):
     (out,) = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False, tools=TOOLS)
     assert out.prompt.startswith(f"<|im_start|>system\n{tools_preamble(TOOLS)}<|im_end|>\n<|im_start|>user\nhi")
     assert out.prompt_token_ids == tokenizer.encode_chat([{"role": "user", "content": "hi"}], tools=TOOLS)
+
+
+def test_text_under_strict_auto_is_what_the_model_writes_without_it(model, tokenizer):
+    """Greedy rows of the tiny model, "<" pushed up so that their text is full of them: with a
+    strict function under "auto" the text is token for token what it is without the grammar
+    (the grammar only binds a <tool_call> tag, which none of these writes). The rows keep to
+    ASCII tokens: the grammar's text is UTF-8, and the random model strews lone bytes."""
+    from pagedlm import LLM
+    from pagedlm.params import SamplingParams
+
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=1024)
+    tools = [{"type": "function", "function": {**ADD, "strict": True}}]
+    strict = auto_constraint(tools, None, many=True)
+    (lt,) = tokenizer.encode("<", add_special_tokens=False)
+    prompts = [[5 + i, 17, 3 * i + 1] for i in range(4)]
+    ascii = [i for i in range(tokenizer.vocab_size) if (t := tokenizer.decode([i])) and t.isascii()]
+    free, bound = ([SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logit_bias={lt: bias},
+                                   allowed_token_ids=ascii, structured_outputs=c) for bias in (0.0, 4.0)]
+                   for c in (None, strict))
+    outs = [llm.generate([{"prompt_token_ids": p} for p in prompts for _ in range(2)], params, use_tqdm=False)
+            for params in ([q for _ in prompts for q in free], [q for _ in prompts for q in bound])]
+    texts = [o.outputs[0].text for o in outs[0]]
+    assert sum(t.count("<") for t in texts) >= 10 and not any(TOOL_CALL_OPEN in t for t in texts)
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
