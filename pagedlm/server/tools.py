@@ -179,7 +179,8 @@ def tool_constraint(functions: list[dict], chosen: list[int], *, many: bool, che
         # The call's object is written out here, its arguments a JSON value of their own: the
         # parameters stay the root of their schema, which their "#..." references resolve against.
         name = json.dumps(json.dumps(functions[i]["name"]))
-        rules.append(f'fn{i}: "{{" WS? {KEY_NAME} WS? ":" WS? {name} WS? "," WS? {KEY_ARGUMENTS} WS? ":" WS? args{i} WS? "}}"')
+        rules.append(f'fn{i}: "{{" WS? {KEY_NAME} WS? ":" WS? {name} WS? "," WS? {KEY_ARGUMENTS} WS? ":" WS? '
+                     f'args{i} WS? "}}"')
         rules.append(f"args{i}: %json {json_rule(parameters)}")  # numbers bounded, whitespace as in json rows
     rules.append(f"WS: /{JSON_SPACE}/")  # (as between the tokens of a JSON value)
     calls = 'call ("\\n"? call)*' if many else "call"

@@ -258,7 +258,8 @@ def test_a_chat_template_that_refuses_is_one_line(tiny_load, monkeypatch, capsys
         raise ValueError("chat template: System role not supported")
     monkeypatch.setattr(tiny_load[1], "encode_chat", refuse)
     assert main(["generate", "--chat", "--system", "s", "x"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "pagedlm generate: --chat: chat template: System role not supported"
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "pagedlm generate: --chat: chat template: System role not supported"
     _chat(monkeypatch, ["hi", "again"])
     assert main(["chat", "--system", "s"]) == 0
     err = capsys.readouterr().err

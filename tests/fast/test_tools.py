@@ -77,7 +77,8 @@ def test_an_output_that_ends_inside_a_block():
     cut = '<tool_call>\n{"name": "add", "argu'  # max_tokens cut it
     assert parse_tool_calls(cut) == (cut, [])
     closing = complete + "\n</tool_"  # cut inside the closing tag: the JSON is whole
-    assert parse_tool_calls(closing)[0] is None and calls_of(parse_tool_calls(closing)[1]) == [("add", {"a": 1, "b": 2})]
+    content, calls = parse_tool_calls(closing)
+    assert content is None and calls_of(calls) == [("add", {"a": 1, "b": 2})]
 
 
 def test_a_forced_call_cut_short_is_a_call_with_the_arguments_so_far():
@@ -268,7 +269,8 @@ def test_auto_beside_a_json_answer_is_that_answer_or_calls(ll_tokenizer):
     answer = Constraint(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
     for own in (answer.validate(), Constraint(json_object=True).validate()):
         both = auto_constraint(TOOLS, own, many=True)
-        assert accepts(ll_tokenizer, both, '{"ok": true}') and accepts(ll_tokenizer, both, call("add", {"a": 1, "b": 2}))
+        assert accepts(ll_tokenizer, both, '{"ok": true}')
+        assert accepts(ll_tokenizer, both, call("add", {"a": 1, "b": 2}))
         assert not accepts(ll_tokenizer, both, "Sure.") and not accepts(ll_tokenizer, both, '[1]')
     assert not accepts(ll_tokenizer, auto_constraint(TOOLS, answer.validate(), many=True), '{"ok": 1}')
     regex = Constraint(regex="[a-z]+").validate()
