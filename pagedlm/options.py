@@ -171,7 +171,10 @@ def check_kv_quant(mode: object, name: str = "--kv-quant") -> str:
 
 
 def resolve_quantization(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """Explicit --quantization > explicit PAGEDLM_QUANTIZATION > default ("none")."""
+    """Explicit --quantization > explicit PAGEDLM_QUANTIZATION > default ("none").
+    Checks the CPU kernel's switch (`CPU_QUANT_KERNEL_ENV`) too: read while
+    the weights load, a bad value would read as the weights' error."""
+    env_flag(CPU_QUANT_KERNEL_ENV, environ)
     if flag is not None:
         return check_quantization(flag)
     raw = (os.environ if environ is None else environ).get(QUANTIZATION_ENV)
@@ -840,6 +843,7 @@ class ServerOptions:
         values, set_by = _flags_or_env(SERVER_FLAGS, flags, env)
         for name, value in values.items():
             setattr(opts, name, value)
+        env_flag(CPU_QUANT_KERNEL_ENV, env)  # (read while the weights load: checked here, named as itself)
         opts.engine = resolve_engine_options(flags, env, resolve_device(opts.device),
                                              prompt_cache_bytes=opts.prompt_cache_bytes)
         check_refusals({**values, "allowed_origins": opts.allowed_origins,

@@ -225,3 +225,9 @@ def test_the_kernel_switch_reads_every_switch_spelling_and_refuses_others(monkey
     monkeypatch.setenv("PAGEDLM_CPU_QUANT", "maybe")
     with pytest.raises(OptionError, match="PAGEDLM_CPU_QUANT must be one of"):
         cpu_quant.library()
+    from pagedlm import options as opt  # and before any weight loads (in one, it read as theirs)
+
+    with pytest.raises(OptionError, match="^PAGEDLM_CPU_QUANT must be one of"):
+        opt.resolve_quantization("int8")
+    with pytest.raises(OptionError, match="^PAGEDLM_CPU_QUANT must be one of"):
+        opt.ServerOptions.resolve({"device": "cpu"})
