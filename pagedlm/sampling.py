@@ -264,12 +264,13 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
     if not constrained:
         _pick(logits, seqs, range(len(seqs)), tokens)
         return tokens
-    from pagedlm.structured import fill_bitmask, masked_logits  # llguidance is imported only when a request has a grammar
+    from pagedlm.structured import masked_logits  # llguidance is imported only when a request has a grammar
 
     # The masks first: host work that overlaps the device's step still in flight
-    # (on CUDA the picks below wait for its logits).
+    # (on CUDA the picks below wait for its logits). They hold the rows' static rules
+    # too, so that a row they leave nothing is dead here (a draw over nothing was uniform).
     matchers = [seqs[i].matcher for i in constrained]
-    filled = fill_bitmask(matchers)
+    filled = grammar_masks([seqs[i] for i in constrained])
     taken = set(constrained)
     _pick(logits, seqs, [i for i in range(len(seqs)) if i not in taken], tokens)
     every = len(constrained) == len(seqs)  # (no gather then: 12.6 MB at 64 rows of a 49k vocabulary)

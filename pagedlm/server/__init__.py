@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from pagedlm.attention import describe_store
@@ -137,6 +138,9 @@ def run(options: ServerOptions) -> int:
     else:
         model, tokenizer = load(options.model, device, dtype, quantization=options.quantization)
     engine = LLMEngine(model, tokenizer, options.engine)
+    started = time.perf_counter()  # llguidance's view of the tokenizer holds the GIL while it is built: now,
+    engine.grammars.warm_up()  # not under the first constrained request, while other streams wait
+    log.info("structured output ready (llguidance's tokenizer built in %.1f s)", time.perf_counter() - started)
     metrics = Metrics(model_name=options.model_names[0])
     lane = EngineLoop(engine, options.max_queue, metrics, options.max_prompts_per_request)
     planner = Planner(engine, list(options.model_names), default_seed=options.seed,

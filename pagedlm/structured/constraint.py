@@ -43,6 +43,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CHECKED = 256  # distinct constraints whose llguidance check is remembered (`_grammar_error`)
 JSON_SPACE = r"(?: |\n[ \t]{0,20})"  # llama.cpp's space: one space, or a newline and an indent
 JSON_WHITESPACE = JSON_SPACE + "?"  # between two tokens of a JSON value
+WHITESPACE_OPTIONS = frozenset({"whitespace_flexible", "whitespace_pattern"})  # a schema's own x-guidance
 MAX_DEPTH = 128  # a schema's nesting, as llguidance's own JSON parser takes it
 NUMBER_BOUND = 10**16 - 1  # |an integer| with at most 16 digits (llama.cpp's json-schema-to-grammar)
 # A number's fraction: at most 10 digits (llama.cpp: 16). As a multipleOf, the one way llguidance
@@ -77,6 +78,8 @@ class Constraint:
         tuple); `OptionError` (a `ValueError`) naming the field and why, in one
         line: two kinds or none, a value of the wrong type, an empty choice
         list, a schema, regex or grammar llguidance cannot compile."""
+        if self.__dict__.get("_checked"):  # (validated already: a large schema costs its walk once)
+            return self
         kinds = self._kinds()
         if len(kinds) != 1:
             got = ", ".join(kinds) if kinds else "none"
@@ -100,6 +103,7 @@ class Constraint:
         error = _grammar_error(checked)
         if error:
             raise OptionError(_refusal(checked, error))
+        checked.__dict__["_checked"] = True  # (not a field: equality, hash and replace() ignore it)
         return checked
 
     def __hash__(self) -> int:
@@ -108,7 +112,7 @@ class Constraint:
         spelled, share a cache entry (`_grammar_error`)."""
         return hash(self.key)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """The canonical form of a validated constraint: equal constraints,
         however spelled (key order in a schema), have equal keys."""
@@ -241,6 +245,11 @@ def _schema(value: object) -> dict:
             raise OptionError(f"json must be a JSON schema: its text is not JSON ({e})") from None
     if not isinstance(value, dict):
         raise OptionError(f"json must be a JSON schema object (got {value!r:.80})")
+    options = value.get("x-guidance", {})  # llguidance's options, read from the schema's top level
+    if not isinstance(options, dict) or set(options) - WHITESPACE_OPTIONS:
+        raise OptionError("json must be a JSON schema whose x-guidance sets at most "
+                          f"{', '.join(sorted(WHITESPACE_OPTIONS))} (got {json.dumps(options)[:80]}): others let "
+                          "the output fail the schema (lenient) or not be JSON (separators)")
     if (depth := _depth(value)) > MAX_DEPTH:  # (before anything walks it recursively)
         raise OptionError(f"json must be a JSON schema of at most {MAX_DEPTH} nested objects and arrays "
                           f"(got {depth})")

@@ -218,6 +218,9 @@ BAD = {  # case: (path, body fields, the param the error names)
         "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema"),
     "a json_schema beside type text": ("chat", {"response_format": {"type": "text", "json_schema": {
         "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema"),
+    "llguidance's lenient option in the schema": ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": ["a", "b"], "not": {"const": "a"}, "x-guidance": {"lenient": True}}}}},
+        "response_format.json_schema.schema"),
     "a json_schema name OpenAI refuses": ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "a b!", "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
     "tool_choice auto without tools": ("chat", {"tool_choice": "auto"}, "tool_choice"),

@@ -359,12 +359,18 @@ def test_dead_ends_are_reported_not_hung(setup, caplog):
     wait_ready(seq)
     assert sample(logits, [seq]) == [None] and seq.matcher.is_dead
     assert "allowed_token_ids" in seq.matcher.error
+    # ... the same for rows that sample without a seed (drawn together on the logits' device), where
+    # a draw over nothing was uniform over the vocabulary: the row got a token its grammar refuses.
+    for rules in [dict(allowed_token_ids=tokenizer.encode("no", add_special_tokens=False)), dict(bad_words=["yes"])]:
+        seq = row(tokenizer, compiler, Constraint(choice=["yes"]), True, seed=None, **rules)
+        wait_ready(seq)
+        assert sample(logits, [seq]) == [None] and seq.matcher.is_dead and "leave no token" in seq.matcher.error
     # A grammar that compiles without a tokenizer but not with this one dies at its first mask.
     seq = row(tokenizer, compiler, Constraint(grammar='start: <|no_such_token|> "a"'), True, seed=3)
     wait_ready(seq)
     assert sample(logits, [seq]) == [None] and seq.matcher.is_dead
     assert "did not compile" in seq.matcher.error and "no_such_token" in seq.matcher.error
-    assert len([r for r in caplog.records if "dead-ends" in r.getMessage()]) == 3
+    assert len([r for r in caplog.records if "dead-ends" in r.getMessage()]) == 5
 
 
 def test_rollback_returns_to_an_earlier_state(setup):
@@ -628,3 +634,18 @@ def wait_ready_matcher(matcher) -> None:
     while not matcher.ready() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert matcher.ready()
+
+
+def test_a_validated_constraint_is_not_walked_again(monkeypatch):
+    """The engine validates each continuation's params again as it admits them: a 5 MB schema's
+    walk, dump and compare once cost ~0.7 s a sequence on the engine's thread. Validated once, a
+    constraint is taken as it is; an equal one built anew is checked again (cached by its key)."""
+    import pagedlm.structured.constraint as module
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "examples": [{"x": i} for i in range(50)]}}}
+    checked = Constraint(json=schema).validate()
+    monkeypatch.setattr(module, "_depth", lambda value: pytest.fail("walked the schema again"))
+    assert checked.validate() is checked
+    assert SamplingParams(structured_outputs=checked).validate().structured_outputs is checked
+    with pytest.raises(pytest.fail.Exception):
+        Constraint(json=schema).validate()
