@@ -352,10 +352,12 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"], ruled: Collecti
 
 
 def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
-    """For `pick_on_device` over grammar rows ``seqs`` (static rules): each
-    row's bitmask (`structured.fill_bitmask`, CPU int32, pinned if ``pinned``)
-    less the tokens its rules refuse, and whether any token is left (a row
-    with none is dead, as `sample_row` kills it)."""
+    """The masks of grammar rows ``seqs``: each row's bitmask
+    (`structured.fill_bitmask`, CPU int32, pinned if ``pinned``) less the
+    tokens its rules refuse for good (``allowed_token_ids``, one-token bans:
+    what `TokenRules.words` holds; a row's bans of the step, `sample_row`
+    applies), and whether any token is left (a row with none is dead, as
+    `sample_row` kills it)."""
     from pagedlm.structured import fill_bitmask  # llguidance is imported only when a request has a grammar
 
     bitmask, live = fill_bitmask([seq.matcher for seq in seqs], pinned)
