@@ -24,7 +24,7 @@ from pagedlm.params import SamplingParams, check_structured_outputs, check_token
 from pagedlm.tokenizer import compile_chat_template, content_text
 
 from .protocol import APIError, ChatRequest, CompletionRequest, NamedToolChoice, _ChatTemplateFields, _GenerationRequest
-from .tools import FUNCTION_NAME, auto_constraint, check_tools, choose, history_calls
+from .tools import auto_constraint, check_name, check_tools, choose, history_calls
 
 if TYPE_CHECKING:
     from pagedlm.batch.engine import LLMEngine
@@ -159,9 +159,8 @@ class Planner:
         if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
             raise APIError(400, f'response_format.json_schema is read only with "type": "json_schema" (got '
                            f'{fmt.type!r})', param="response_format.json_schema")
-        if fmt is not None and fmt.json_schema is not None and not FUNCTION_NAME.fullmatch(fmt.json_schema.name):
-            raise APIError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, _ or - (got "
-                           f"{fmt.json_schema.name!r})", param="response_format.json_schema.name")
+        if fmt is not None and fmt.json_schema is not None:
+            check_name(fmt.json_schema.name, "response_format.json_schema.name")
         if fmt is not None and fmt.type == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":

@@ -64,10 +64,7 @@ def check_tools(tools: list[ToolDefinition] | None) -> list[dict] | None:
         where = f"tools[{i}]"
         if tool.type != "function":
             raise APIError(400, f'{where}.type must be "function" (got {tool.type!r})', param=f"{where}.type")
-        name = tool.function.name
-        if not FUNCTION_NAME.fullmatch(name):
-            raise APIError(400, f"{where}.function.name must be 1 to 64 letters, digits, _ or - (got {name!r})",
-                           param=f"{where}.function.name")
+        name = check_name(tool.function.name, f"{where}.function.name")
         if name in seen:
             raise APIError(400, f"{where}.function.name {name!r} is given twice", param=f"{where}.function.name")
         seen.add(name)
@@ -77,6 +74,13 @@ def check_tools(tools: list[ToolDefinition] | None) -> list[dict] | None:
                            f'"object"; got "type": {json.dumps(parameters.get("type"))})',
                            param=f"{where}.function.parameters")
     return [tool.model_dump(exclude_none=True, by_alias=True) for tool in tools]
+
+
+def check_name(name: str, where: str) -> str:
+    """``name`` if OpenAI takes it as a function's (or a response format's) name; else a 400 naming ``where``."""
+    if not FUNCTION_NAME.fullmatch(name):
+        raise APIError(400, f"{where} must be 1 to 64 letters, digits, _ or - (got {name!r})", param=where)
+    return name
 
 
 def history_calls(calls: list[MessageToolCall], where: str) -> list[dict]:
@@ -297,7 +301,8 @@ def _tag_prefix(text: str, tag: str = TOOL_CALL_OPEN) -> int:
     return 0
 
 
-CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+CUT_CALL = re.compile(rf'\s*\{{\s*"name"\s*:\s*"({FUNCTION_NAME.pattern})"\s*,\s*"arguments"\s*:\s*(.*)',
+                      re.DOTALL)
 
 
 def _cut_call(body: str, name: str) -> ToolCall | None:

@@ -261,7 +261,8 @@ def test_bad_structured_or_tool_input_is_a_400_naming_the_field(client, case):
 def test_bad_tool_history_is_a_400_naming_the_message(client, case):
     messages, param = BAD_MESSAGES[case]
     r = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 2})
-    error_of(r, 400, param)
+    error = error_of(r, 400, param)  # (asserts the status and that the error names param)
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(param.split(".")[0])
 
 
 def test_messages_too_deep_to_render_are_a_400(planner, monkeypatch):
