@@ -5,7 +5,8 @@
 #           three shapes, batch 1 and 32; a Llama-3.2-1B-shaped draft for the 8B shape, graphs and eager
 #   mask    bench throughput --json-schema at batch 1, 16, 64: the Qwen3-0.6B shape over SmolLM2's tokenizer
 #           (49,152 tokens), and the Gemma 3 270M shape over its own (262,144); llguidance from the carried wheel;
-#           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape)
+#           MASK_SHAPES (config:tokenizer pairs) and MASK_ASYNC ("on off": both engines, interleaved by shape);
+#           MASK_FLAGS: more bench flags (e.g. --structured-temperature 1)
 #   maskfill benchmarks/mask_fill.py: the host's fill of 64 rows' bitmasks by lanes (a thread each), WALKS random text,
 #           and BESIDE (mask_fill.py's)
 #   masksteps benchmarks/mask_steps.py: the mask bench under async with the fill's and the host's parts timed
@@ -67,7 +68,7 @@ if has mask; then
     cp "$NOW/$M/$1/config.json" "$CARRY/$2"/tokenizer*.json "$dir/"
     for mode in ${MASK_ASYNC:-on}; do  # on, off: with --async-scheduling, --no-async-scheduling
       bench mask.jsonl 200 throughput --random-weights --model "$dir" --device cuda --$([ $mode = on ] || echo no-)async-scheduling \
-        --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3
+        --json-schema "$(pwd)/$NOW/$M/person.schema.json" --structured-batch-sizes 1 16 64 --repeats 3 ${MASK_FLAGS:-}
     done
   done
 fi
@@ -87,7 +88,8 @@ if has masksteps; then  # async grammar steps: the fill by thread and the host's
     for pre in $([ "$tree" = "$NOW" ] && echo ${PREFETCHES:-1} || echo 1); do
     (cd "$tree" && PARTS=1 PREFETCH=$pre OMP_NUM_THREADS=${MASK_OMP:-16} PYTHONPATH=.:$LIB timeout 150 python3 "$script" \
       bench throughput --random-weights --model $dir --device cuda --async-scheduling \
-      --json-schema $M/person.schema.json --structured-batch-sizes ${MASK_SIZES:-1 16 64} --repeats 2 --json) \
+      --json-schema $M/person.schema.json --structured-batch-sizes ${MASK_SIZES:-1 16 64} --repeats 2 ${MASK_FLAGS:-} \
+      --json) \
       2>>"$OUT/bench.err" | grep '^{' | sed "s|^|[$tree prefetch=$pre] |" | tee -a "$OUT/mask_steps.jsonl" | cut -c1-600
   done; done; done
 fi

@@ -17,6 +17,9 @@ the bench's own rows:
   unconstrained runs' and the prefills: whether a tail is the grammar's);
 - ``gc_ms``: Python's cyclic collections during them, by generation: how
   many, and their ms in all;
+- with ``PROFILE=FILE``: the step thread's Python under `cProfile` in the
+  steps of 64 running rows, those with grammar rows and those without
+  apart, as two `pstats` tables (by own time, then by time inside) in FILE;
 - with ``TRACE=FILE``: a `torch.profiler` trace (CPU and CUDA, Chrome's
   format) of 30 steps of the first constrained run of 64 rows, from its 20th
   step on, written to FILE (where the device waits for the host, and why).
@@ -30,6 +33,9 @@ FILE --structured-batch-sizes 16 64 --json
 from __future__ import annotations
 
 import atexit
+import cProfile
+import io
+import pstats
 import gc
 import inspect
 import json
@@ -56,8 +62,13 @@ def step(self):
     if os.environ.get("TRACE") and in_grammar_step[0] and len(self.scheduler.running) == 64:
         trace(counts.setdefault("traced", 0))
         counts["traced"] += 1
+    profile = profiles.setdefault(in_grammar_step[0], cProfile.Profile()) if PROFILE and running == 64 else None
     t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
     out = _step(self)
+    if profile is not None:
+        profile.disable()
     if in_grammar_step[0]:
         parts.setdefault("step", []).append(time.perf_counter() - t0)
     elif running:
@@ -67,6 +78,8 @@ def step(self):
 
 
 _profiler = []
+PROFILE = os.environ.get("PROFILE")
+profiles: dict[bool, cProfile.Profile] = {}  # PROFILE: grammar steps (True) and plain ones (False) of 64 rows
 
 
 def trace(n: int) -> None:
@@ -119,6 +132,14 @@ def spread(seconds) -> list[float]:
 
 @atexit.register
 def report() -> None:
+    if PROFILE and profiles:
+        text = io.StringIO()
+        for grammar, profile in sorted(profiles.items()):
+            text.write(f"==== steps of 64 rows {'with' if grammar else 'without'} grammar rows\n")
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(profile, stream=text).sort_stats(order).print_stats(40)
+        with open(PROFILE, "w") as f:
+            f.write(text.getvalue())
     step_ms, plain_ms = spread(parts.get("step", ())), spread(plain_steps)
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1

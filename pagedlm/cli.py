@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json-schema: the batch sizes (default: 1 16 64)")
     t.add_argument("--structured-max-tokens", action=_AtLeast, default=None, metavar="N",
                    help="with --json-schema: tokens each row generates at most (default: 64)")
+    t.add_argument("--structured-temperature", type=float, default=None, metavar="T",
+                   help="with --json-schema: every row (constrained and unconstrained) samples at T, unseeded, "
+                        "so rows differ (default: 0, greedy)")
     _add_random_weights(t)
     t.add_argument("--json", action="store_true", help="one JSON object per configuration")
 
@@ -545,16 +548,17 @@ def cmd_bench(args) -> int:
         for flag in STORES_WORKLOAD:
             if getattr(args, flag) != getattr(defaults, flag):
                 raise CliError(f"pagedlm bench throughput: {opt.flag_name(flag)} shapes the stores' workload, which "
-                               "--json-schema replaces: its rows are --structured-batch-sizes and "
-                               "--structured-max-tokens")
+                               "--json-schema replaces: its rows are --structured-batch-sizes, "
+                               "--structured-max-tokens and --structured-temperature")
         constraint = _constraint(args)  # a bad FILE is refused before the model loads
         from .bench.structured import run_structured_bench
 
         return run_structured_bench(args, _engine_options(args), constraint)
     if args.bench == "throughput":
-        if args.structured_batch_sizes is not None or args.structured_max_tokens is not None:
-            raise CliError("pagedlm bench throughput: --structured-batch-sizes and --structured-max-tokens "
-                           "need --json-schema")
+        if any(getattr(args, f"structured_{name}") is not None
+               for name in ("batch_sizes", "max_tokens", "temperature")):
+            raise CliError("pagedlm bench throughput: --structured-batch-sizes, --structured-max-tokens and "
+                           "--structured-temperature need --json-schema")
         from .bench.throughput import run_throughput_bench
 
         return run_throughput_bench(args, _engine_options(args))

@@ -5,8 +5,13 @@ same B prompts (each gives the schema's text and asks for one JSON object
 valid against it, numbered so that no two are the same) run on one
 engine, alternately with every row constrained to the schema and
 unconstrained, ``--repeats`` times each; medians are reported. Constrained
-rows generate greedily up to ``--structured-max-tokens`` tokens and end when
-their grammar completes; each unconstrained row then generates exactly as
+rows generate up to ``--structured-max-tokens`` tokens and end when
+their grammar completes, greedily or, with ``--structured-temperature``,
+sampled without a seed (as their twins are). With random weights the model
+all but ignores its prompt: greedy rows write a handful of texts between
+them (6 distinct of 64 rows here), so their grammars meet each costly
+state together, the lanes filling the same mask at once; sampled rows
+differ, as the requests of many clients do; each unconstrained row then generates exactly as
 many tokens as its constrained twin did, end-of-sequence ignored. So both
 runs have the same rows, lengths and steps, and differ by the masks alone
 (a run to a fixed length would time the unconstrained rows over longer
@@ -38,6 +43,7 @@ outside `sample`).
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
@@ -161,6 +167,9 @@ def _check(args) -> None:
     if args.random_weights and not (Path(args.model or "") / "tokenizer.json").is_file():
         raise opt.OptionError("--json-schema needs a tokenizer (grammars are compiled over its vocabulary): "
                               "with --random-weights, a tokenizer.json in the config's folder")
+    temperature = args.structured_temperature
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise opt.OptionError(f"--structured-temperature must be a finite number >= 0 (got {temperature})")
 
 
 def run_structured_bench(args, engine_options: opt.EngineOptions, constraint) -> int:
@@ -174,12 +183,14 @@ def run_structured_bench(args, engine_options: opt.EngineOptions, constraint) ->
     if max(batch_sizes) > engine.max_num_seqs:
         raise opt.OptionError(f"--structured-batch-sizes {max(batch_sizes)} exceeds the engine's "
                               f"--max-num-seqs ({engine.max_num_seqs}): that batch would not run as one")
-    constrained = SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured_outputs=constraint)
+    temperature = args.structured_temperature or 0.0
+    constrained = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
+                                 structured_outputs=constraint)
     for warm in (None, constraint):  # the second compiles the grammar: no timed row waits for it
-        run_batch(engine, [(ids, SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=warm))
-                           for ids in prompts[:2]])
+        run_batch(engine, [(ids, replace(constrained, max_tokens=4, structured_outputs=warm)) for ids in prompts[:2]])
     base = {"model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "schema": args.json_schema, "max_tokens": max_tokens, "repeats": args.repeats,
+            "schema": args.json_schema, "max_tokens": max_tokens, "temperature": temperature,
+            "repeats": args.repeats,
             "store": "paged" if engine.paged_kv else "default", "attention_backend": engine.attention_backend,
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "threads": torch.get_num_threads(), "machine": platform.machine()}
@@ -190,7 +201,7 @@ def run_structured_bench(args, engine_options: opt.EngineOptions, constraint) ->
             for _ in range(args.repeats):  # interleaved, run by run
                 run = run_batch(engine, [(ids, constrained) for ids in prompts[:batch]])
                 runs[True].append(run)
-                twins = [(ids, SamplingParams(max_tokens=max(1, n), ignore_eos=True))
+                twins = [(ids, replace(constrained, max_tokens=max(1, n), structured_outputs=None))
                          for ids, n in zip(prompts, run.output_lengths)]
                 runs[False].append(run_batch(engine, twins))
             for row in _rows(base, batch, runs, engine.grammars.compiles):

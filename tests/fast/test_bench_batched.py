@@ -420,6 +420,10 @@ def test_json_schema_on_random_weights_reads_the_folders_tokenizer(tiny_folder, 
     (json.dumps(FLAG_SCHEMA), ["--random-weights"], "with --random-weights, a tokenizer.json in the config's folder"),
     (json.dumps(FLAG_SCHEMA), ["--against", "hf"], "not with --against"),
     (json.dumps(FLAG_SCHEMA), ["--structured-batch-sizes", "0"], "--structured-batch-sizes must be >= 1"),
+    (json.dumps(FLAG_SCHEMA), ["--structured-temperature", "-0.5"],
+     "--structured-temperature must be a finite number >= 0 (got -0.5)"),
+    (json.dumps(FLAG_SCHEMA), ["--structured-temperature", "nan"],
+     "--structured-temperature must be a finite number >= 0 (got nan)"),
 ])
 def test_bad_json_schema_file_is_one_line_exit_2(tmp_path, capsys, write, extra, message):
     path = tmp_path / "s.json"
@@ -433,10 +437,43 @@ def test_bad_json_schema_file_is_one_line_exit_2(tmp_path, capsys, write, extra,
         assert err.startswith(f"pagedlm bench throughput: --json-schema {path}")
 
 
-def test_structured_flags_need_a_json_schema(capsys):
-    assert main(["bench", "throughput", "--device", "cpu", "--structured-batch-sizes", "4"]) == 2
+@pytest.mark.parametrize("flag", [["--structured-batch-sizes", "4"], ["--structured-temperature", "1"]])
+def test_structured_flags_need_a_json_schema(capsys, flag):
+    assert main(["bench", "throughput", "--device", "cpu", *flag]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "need --json-schema" in err
+
+
+def test_structured_temperature_samples_both_twins(tiny_folder, capsys, monkeypatch):
+    """--structured-temperature: the constrained rows and their unconstrained
+    twins (and the warm-ups) sample at it, unseeded, and the rows say so;
+    the constrained outputs still end valid."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from pagedlm.bench import structured
+
+    runs = []
+    run_batch = structured.run_batch
+
+    def recording(engine, requests):
+        runs.append((requests, run_batch(engine, requests)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(structured, "run_batch", recording)
+    argv = ["bench", "throughput", "--model", str(tiny_folder), "--device", "cpu", "--json-schema",
+            str(tiny_folder.parent / "flag.schema.json"), "--structured-batch-sizes", "3",
+            "--structured-max-tokens", "256", "--structured-temperature", "0.8", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    rows = _rows(capsys)
+    assert [(r["structured"], r["temperature"]) for r in rows] == [(False, 0.8), (True, 0.8)]
+    assert len(runs) == 4  # two warm-ups, then the constrained rows and their twins
+    for requests, _ in runs:
+        assert all(p.temperature == 0.8 and p.seed is None for _, p in requests)
+    (_, constrained), (twins, free) = runs[2:]
+    assert [p.structured_outputs is None for _, p in twins] == [True] * 3
+    assert [p.max_tokens for _, p in twins] == constrained.output_lengths == free.output_lengths
+    assert constrained.finish_reasons == ["stop"] * 3
+    for text in constrained.texts:
+        jsonschema.validate(json.loads(text), FLAG_SCHEMA)
 
 
 def test_engines_alive_at_once_on_cuda_share_one_kv_budget(monkeypatch):
