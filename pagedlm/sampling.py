@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Collection, Iterable, Protocol
 import numpy as np
 import torch
 
+from pagedlm.kernels import fused
 from pagedlm.kernels.copies import to_device
 from pagedlm.options import OptionError
 from pagedlm.params import SamplingParams, check_token_ids
@@ -343,6 +344,13 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"], ruled: Collecti
             logits = logits + torch.stack([keep_all if m is None else m for m in masks])
     greedy = logits.argmax(-1)
     drawn = [i for i, seq in enumerate(seqs) if seq.generator is not None]
+    if drawn and fused.enabled(logits):  # rows of a temperature alone: one launch (`fused.gumbel_pick`)
+        alone = {i for i in drawn if _temperature_alone(seqs[i].params, width)}
+        if alone:
+            inverse = [1.0 / seq.params.temperature if i in alone else 0.0 for i, seq in enumerate(seqs)]
+            seed = int(torch.randint(2**31 - 1, ()))  # (torch's generator: torch.manual_seed repeats the draws)
+            greedy = fused.gumbel_pick(logits, to_device(inverse, torch.float32, device), greedy, seed)
+            drawn = [i for i in drawn if i not in alone]
     if not drawn:
         return greedy
     rows = to_device(drawn, torch.long, device)
@@ -406,6 +414,12 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.dev
     if any(p.min_p > 0.0 for p in params):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     return probs
+
+
+def _temperature_alone(p: SamplingParams, width: int) -> bool:
+    """A sampled row's distribution is softmax(logits / temperature): no
+    top-k, top-p or min-p cuts it (`_probs`' other knobs)."""
+    return not 0 < p.top_k < width and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
 def shares_argmax(seq: "Sequence") -> bool:

@@ -167,6 +167,41 @@ if triton is not None:
         tl.store(Out + row * stride_o + offs, tl.where(keep & (x == x), x, float("-inf")), mask=m)
 
 
+    @triton.jit
+    def _gumbel_pick_kernel(Logits, InvT, Out, stride_l, n, seed, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Row ``row``'s token drawn from softmax(logits * inv_t) when its
+        ``inv_t`` > 0 (else Out is left alone): the argmax of ``x * inv_t +
+        g``, g a Gumbel draw per token, which is that distribution (the
+        Gumbel-max rule; no softmax, one pass). As the torch sampler reads
+        logits: +inf ones (if any) are the only candidates, equally likely;
+        -inf and NaN ones are never drawn unless nothing else is (then every
+        token is equally likely)."""
+        await_inputs(PDL)
+        row = tl.program_id(0)
+        inv_t = tl.load(InvT + row)
+        if inv_t > 0:
+            best_rank = -2  # of the best so far: 1 (+inf logit), 0 (finite), -1 (-inf or NaN)
+            best = float("-inf")
+            best_at = 0
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                inside = offs < n
+                x = tl.load(Logits + row * stride_l + offs, mask=inside, other=float("-inf"))
+                g = -tl.log(-tl.log(tl.rand(seed, row * n + offs)))
+                rank = tl.where(x == float("inf"), 1, tl.where(x > float("-inf"), 0, -1))
+                rank = tl.where(inside, rank, -2)
+                top = tl.max(rank, 0)
+                score = tl.where(rank == 0, x * inv_t + g, g)
+                score = tl.where(rank == top, score, float("-inf"))
+                block_best = tl.max(score, 0)
+                at = start + tl.argmax(score, 0)
+                better = (top > best_rank) | ((top == best_rank) & (block_best > best))
+                best_rank = tl.where(better, top, best_rank)
+                best = tl.where(better, block_best, best)
+                best_at = tl.where(better, at, best_at)
+            tl.store(Out + row, best_at.to(tl.int64))
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Use the fused kernels for ``x``: on CUDA when triton is installed."""
     return x.is_cuda and triton is not None
@@ -265,6 +300,22 @@ def act_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
         _act_mul_kernel[(T, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
                                                     GELU=activation == "gelu_pytorch_tanh", BLOCK=block,
                                                     **launch_options(x.device))
+    return out
+
+
+def gumbel_pick(logits: torch.Tensor, inv_temperature: torch.Tensor, out: torch.Tensor, seed: int) -> torch.Tensor:
+    """Draw, in one launch, the token of each row of float ``logits`` ``[rows,
+    V]`` whose float32 ``inv_temperature`` (1 / its temperature) is above 0,
+    from softmax(logits / temperature), into int64 ``out`` ``[rows]`` (the
+    other rows' entries are left as they are: the engine passes its greedy
+    argmax); ``seed`` picks the draws. The distribution `sampling._probs`
+    gives a row without top-k, top-p or min-p, its ~15 torch ops replaced
+    (`_gumbel_pick_kernel`)."""
+    rows, n = logits.shape
+    logits = _rows(logits)
+    if rows:
+        _gumbel_pick_kernel[(rows,)](logits, inv_temperature, out, logits.stride(0), n, seed,
+                                     BLOCK=min(4096, triton.next_power_of_2(n)), **launch_options(logits.device))
     return out
 
 

@@ -21,7 +21,9 @@ from pagedlm.options import (EngineOptions, UnsupportedOption, async_scheduling_
                              resolve_engine_options)
 from pagedlm.params import SamplingParams
 from pagedlm.sampling import TokenRules, pick_on_device, picks_on_device, sample
-from tests.helpers import CharTokenizer, Ops, block_bytes, drive, paged, prompts, run_all, tiny_model, tiny_tokenizer
+from tests.fast.kernel_refs import requires_triton
+from tests.helpers import (DEVICE, CharTokenizer, Ops, block_bytes, drive, paged, prompts, run_all, tiny_model,
+                           tiny_tokenizer)
 
 
 def _options(base: EngineOptions, on: bool) -> EngineOptions:
@@ -154,16 +156,25 @@ def _reference_probs(logits: torch.Tensor, params: SamplingParams, rules) -> tor
     return kept / kept.sum()
 
 
+@pytest.mark.parametrize("fused_pick", [False, pytest.param(True, marks=requires_triton)])
 @pytest.mark.parametrize("knobs", [dict(temperature=0.7), dict(temperature=1.3, top_k=12),
                                    dict(temperature=0.9, top_p=0.8), dict(temperature=1.0, min_p=0.05),
                                    dict(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02)])
-def test_device_draws_follow_the_samplers_distribution(knobs):
+def test_device_draws_follow_the_samplers_distribution(knobs, fused_pick, monkeypatch):
     """Unseeded sampled rows draw on the device under async scheduling: over
     6,000 draws (rows of one batch, beside a greedy row and a row of other
     knobs), no token outside the support `sample_row` keeps, and the counts
-    fit its probabilities (chi-square, fixed seed)."""
+    fit its probabilities (chi-square, fixed seed). ``fused_pick`` (1,500 draws): as on
+    CUDA, rows of a temperature alone draw through `fused.gumbel_pick` (here
+    interpreted), the others through the torch ops, in one batch."""
+    from pagedlm.kernels import fused
+
+    monkeypatch.setattr(fused, "enabled", lambda x: fused_pick)
+    launches = []
+    gumbel_pick = fused.gumbel_pick
+    monkeypatch.setattr(fused, "gumbel_pick", lambda *a: launches.append(a[1].tolist()) or gumbel_pick(*a))
     torch.manual_seed(0)
-    vocab, n = 64, 6000
+    vocab, n = 64, 1500 if fused_pick else 6000  # (the interpreter runs a program a row: 1 s per 130)
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 2
     rules = TokenRules(banned={0, 5}, allowed=None)
     params = SamplingParams(**knobs)
@@ -176,8 +187,8 @@ def test_device_draws_follow_the_samplers_distribution(knobs):
     rows = [Row(params, rules) for _ in range(n)]
     rows += [Row(SamplingParams()), Row(SamplingParams(temperature=2.0, top_k=3))]
     assert all(picks_on_device(r) for r in rows)
-    logits = base.expand(len(rows), vocab).clone()
-    drawn = pick_on_device(logits, rows)
+    logits = base.expand(len(rows), vocab).clone().to(DEVICE if fused_pick else "cpu")
+    drawn = pick_on_device(logits, rows).cpu()
     assert drawn[n] == base.argmax()  # the greedy row beside them
     want = _reference_probs(base.clone(), params, rules)
     counts = torch.bincount(drawn[:n], minlength=vocab).double()
@@ -188,6 +199,11 @@ def test_device_draws_follow_the_samplers_distribution(knobs):
     chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
     dof = int(keep.sum()) - 1
     assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~6 sigma: a wrong rule fails by far more
+    alone = list(knobs) == ["temperature"]
+    if fused_pick and alone:  # the kernel took these rows, and only these
+        assert launches == [pytest.approx([1 / knobs["temperature"]] * n + [0.0, 0.0])]
+    else:
+        assert launches == []
 
 
 def test_unseeded_sampled_rows_overlap_and_keep_their_rules():

@@ -205,3 +205,30 @@ def test_a_kv_target_needs_the_values():
     cos = sin = torch.ones(2, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="needs values"):
         fused.qk_norm_rope(x, 2, cos, sin, target=pools.target(0, torch.tensor([0, 1], device=DEVICE)))
+
+
+def test_gumbel_pick_reads_special_logits_as_the_torch_sampler_does():
+    """`fused.gumbel_pick` (rows drawn from softmax(logits / T) in one
+    launch): a row's +inf tokens are its only candidates; -inf and NaN ones
+    are never drawn unless no other is (then any token is); rows with
+    inverse temperature 0 keep what ``out`` held; a vocabulary over one
+    block reaches its last token; rows draw independently."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[-inf, nan, 1.0, -inf, 0.5],
+                           [0.0, inf, 3.0, inf, nan],
+                           [-inf, nan, -inf, -inf, nan],
+                           [1.0, 2.0, 3.0, 4.0, 5.0]]).repeat(60, 1).to(DEVICE)
+    inverse = torch.tensor([1.0, 1.0, 1.0, 0.0] * 60, device=DEVICE)
+    out = torch.full((240,), 7, dtype=torch.long, device=DEVICE)
+    drawn = fused.gumbel_pick(logits, inverse, out, seed=3).view(60, 4).cpu()
+    assert set(drawn[:, 0].tolist()) == {2, 4}  # the finite ones (softmax: 0.62 / 0.38)
+    assert set(drawn[:, 1].tolist()) == {1, 3}  # the +inf ones, both drawn
+    assert len(set(drawn[:, 2].tolist())) >= 4  # nothing finite: any of the 5
+    assert set(drawn[:, 3].tolist()) == {7}  # greedy rows: left alone
+    wide = torch.zeros(2, 5000, device=DEVICE)
+    wide[0, 4999] = 60.0  # the last token of a vocabulary of two blocks and a bit: always drawn
+    picked = fused.gumbel_pick(wide, torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE), 5)
+    assert picked[0] == 4999 and 0 <= picked[1] < 5000
+    spread = fused.gumbel_pick(torch.zeros(200, 5000, device=DEVICE), torch.ones(200, device=DEVICE),
+                               torch.zeros(200, dtype=torch.long, device=DEVICE), 11)
+    assert len(set(spread.tolist())) > 150 and spread.max() >= 4096  # flat rows: draws all over, past block one
