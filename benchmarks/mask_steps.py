@@ -17,6 +17,9 @@ the bench's own rows:
   unconstrained runs' and the prefills: whether a tail is the grammar's);
 - ``gc_ms``: Python's cyclic collections during them, by generation: how
   many, and their ms in all;
+- with ``LANES=N``: N lanes (compiles of a grammar, threads that fill a
+  step's masks) instead of the engine's default (half the cores, at most
+  8);
 - with ``PROFILE=FILE``: the step thread's Python under `cProfile` in the
   steps of 64 running rows, those with grammar rows and those without
   apart, as two `pstats` tables (by own time, then by time inside) in FILE;
@@ -144,7 +147,8 @@ def report() -> None:
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
-    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "fill_rows_ms": by_thread,
+    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "lanes": os.environ.get("LANES"),
+                      "fill_rows_ms": by_thread,
                       **({"parts_ms": timed_parts, "step_ms": step_ms} if parts else {}), "plain_step_ms": plain_ms,
                       "gc_ms": {g: [len(v), round(1000 * sum(v), 3)] for g, v in sorted(collections.items())}}),
           flush=True)
@@ -163,6 +167,11 @@ def on_gc(phase: str, info: dict) -> None:
 
 if __name__ == "__main__":
     engine_module.LLMEngine.step = step
+    if os.environ.get("LANES"):
+        import pagedlm.structured.compiler as compiler_module
+        lanes = int(os.environ["LANES"])
+        compiler_module.MAX_LANES = max(compiler_module.MAX_LANES, lanes)
+        compiler_module.default_lanes = lambda device: lanes
     gc.callbacks.append(on_gc)
     if _fill_live is not None:
         matcher_module._fill_live = fill_live
