@@ -20,6 +20,9 @@ the bench's own rows:
 - with ``LANES=N``: N lanes (compiles of a grammar, threads that fill a
   step's masks) instead of the engine's default (half the cores, at most
   8);
+- with ``NO_FORCING=1``: llguidance's forcing off in every grammar
+  (``no_forcing``: no call of the tokenizer's Python from the fill's
+  threads; ``tokenize_calls`` counts those calls either way);
 - with ``PROFILE=FILE``: the step thread's Python under `cProfile` in the
   steps of 64 running rows, those with grammar rows and those without
   apart, as two `pstats` tables (by own time, then by time inside) in FILE;
@@ -148,6 +151,7 @@ def report() -> None:
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
     print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "lanes": os.environ.get("LANES"),
+                      "no_forcing": os.environ.get("NO_FORCING") == "1",
                       "fill_rows_ms": by_thread,
                       **({"parts_ms": timed_parts, "step_ms": step_ms} if parts else {}), "plain_step_ms": plain_ms,
                       "gc_ms": {g: [len(v), round(1000 * sum(v), 3)] for g, v in sorted(collections.items())}}),
@@ -167,8 +171,24 @@ def on_gc(phase: str, info: dict) -> None:
 
 if __name__ == "__main__":
     engine_module.LLMEngine.step = step
+    import pagedlm.structured.compiler as compiler_module
+    _tokenize = compiler_module._TextTokenizer.__call__
+
+    def tokenize(self, text):
+        counts["tokenize_calls"] = counts.get("tokenize_calls", 0) + 1
+        return _tokenize(self, text)
+    compiler_module._TextTokenizer.__call__ = tokenize
+    if os.environ.get("NO_FORCING") == "1":
+        _compile = compiler_module._compile
+
+        def compile_without_forcing(tokenizer, grammar, lanes=1):
+            top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+            for g in top["grammars"]:
+                if g.get("lark_grammar") is not None:
+                    g["lark_grammar"] = '%llguidance {"no_forcing": true}\n' + g["lark_grammar"]
+            return _compile(tokenizer, json.dumps(top), lanes)
+        compiler_module._compile = compile_without_forcing
     if os.environ.get("LANES"):
-        import pagedlm.structured.compiler as compiler_module
         lanes = int(os.environ["LANES"])
         compiler_module.MAX_LANES = max(compiler_module.MAX_LANES, lanes)
         compiler_module.default_lanes = lambda device: lanes
