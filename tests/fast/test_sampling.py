@@ -216,3 +216,28 @@ def test_rule_words_are_the_rule_mask_in_llguidances_bit_layout(allowed):
     assert same.words(width) is words and same.mask(width, "cpu") is rules.mask(width, torch.device("cpu"))
     assert other.words(width) is not words and not np.array_equal(other.words(width), words)
     assert not words.flags.writeable  # shared: nobody may change it in place
+
+
+def test_draw_on_the_cpu_follows_probs_across_blocks():
+    """`draw` on the CPU (a uniform a row looked up in the row's cumulative
+    sums, block first): over 12,000 rows of one distribution spanning two
+    blocks and a part (tokens of probability 0 among them, heavy ones in
+    the last part), no token of probability 0, and counts that fit the
+    probabilities (chi-square, fixed seed)."""
+    from pagedlm.sampling import DRAW_BLOCK, draw
+
+    torch.manual_seed(0)
+    width, n = 2 * DRAW_BLOCK + 300, 12_000
+    probs = torch.rand(width, generator=torch.Generator().manual_seed(3)) ** 4
+    probs[::5] = 0.0
+    probs[2 * DRAW_BLOCK + 100 : 2 * DRAW_BLOCK + 110] = 40.0  # a tenth of the mass past the second block
+    counts = torch.bincount(draw(probs.expand(n, width).contiguous()), minlength=width).double()
+    want = probs.double() / probs.sum()
+    assert counts[want == 0].sum() == 0
+    assert counts.shape == (width,)  # nothing past the row
+    keep = want * n >= 5
+    expected = want[keep] * n
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+    assert counts[2 * DRAW_BLOCK :].sum() > 0.3 * n  # the last part's heavy tokens are drawn
