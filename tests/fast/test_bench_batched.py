@@ -340,12 +340,8 @@ def tiny_folder(tmp_path):
     return folder
 
 
-def test_throughput_json_schema_rows_unconstrained_against_constrained(tiny_folder, capsys, monkeypatch):
-    """Per batch size an unconstrained and a constrained row, the grammar
-    compiled once; every constrained row ends by its grammar with JSON valid
-    against the schema, and its unconstrained twin runs as many tokens and
-    steps."""
-    jsonschema = pytest.importorskip("jsonschema")
+def _recorded_runs(monkeypatch) -> list:
+    """The structured bench's batches from now on, as (requests, BatchRun) pairs."""
     from pagedlm.bench import structured
 
     runs = []
@@ -356,6 +352,16 @@ def test_throughput_json_schema_rows_unconstrained_against_constrained(tiny_fold
         return runs[-1][1]
 
     monkeypatch.setattr(structured, "run_batch", recording)
+    return runs
+
+
+def test_throughput_json_schema_rows_unconstrained_against_constrained(tiny_folder, capsys, monkeypatch):
+    """Per batch size an unconstrained and a constrained row, the grammar
+    compiled once; every constrained row ends by its grammar with JSON valid
+    against the schema, and its unconstrained twin runs as many tokens and
+    steps."""
+    jsonschema = pytest.importorskip("jsonschema")
+    runs = _recorded_runs(monkeypatch)
     schema = str(tiny_folder.parent / "flag.schema.json")
     argv = ["bench", "throughput", "--model", str(tiny_folder), "--device", "cpu", "--json-schema", schema,
             "--structured-batch-sizes", "1", "3", "--structured-max-tokens", "256", "--repeats", "2", "--json"]
@@ -449,16 +455,7 @@ def test_structured_temperature_samples_both_twins(tiny_folder, capsys, monkeypa
     twins (and the warm-ups) sample at it, unseeded, and the rows say so;
     the constrained outputs still end valid."""
     jsonschema = pytest.importorskip("jsonschema")
-    from pagedlm.bench import structured
-
-    runs = []
-    run_batch = structured.run_batch
-
-    def recording(engine, requests):
-        runs.append((requests, run_batch(engine, requests)))
-        return runs[-1][1]
-
-    monkeypatch.setattr(structured, "run_batch", recording)
+    runs = _recorded_runs(monkeypatch)
     argv = ["bench", "throughput", "--model", str(tiny_folder), "--device", "cpu", "--json-schema",
             str(tiny_folder.parent / "flag.schema.json"), "--structured-batch-sizes", "3",
             "--structured-max-tokens", "256", "--structured-temperature", "0.8", "--repeats", "1", "--json"]
