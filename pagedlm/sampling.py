@@ -253,7 +253,7 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     if seq.generator is None:
         return int(torch.argmax(logits))
     probs = _probs(logits[None], [p], logits.device)[0]
-    return int(draw(probs.to("cpu", torch.float32)[None], seq.generator)[0])
+    return int(torch.multinomial(probs.to("cpu", torch.float32), 1, generator=seq.generator))
 
 
 def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int | None]:
@@ -418,10 +418,9 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.dev
 DRAW_BLOCK = 1024  # tokens a block of `draw`'s two-level search on the CPU
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw(probs: torch.Tensor) -> torch.Tensor:
     """A token of each row of ``probs`` ``[B, V]`` (non-negative, a row's sum
-    above 0: `_probs`), drawn with ``generator`` (a seeded row's own: CPU
-    probs) or torch's generator of their device. On
+    above 0: `_probs`), drawn with torch's generator of their device. On
     CUDA torch.multinomial's own rule for one sample: the argmax of probs /
     E, E ~ Exp(1) a token. On the CPU an exponential a token costs 20 ns (200
     ms at 64 rows of 151,936 tokens, 5 ms a row of Gemma 3's 262,144), so
@@ -429,13 +428,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     float64: its block of DRAW_BLOCK tokens first, then the token inside it
     (a token of probability 0 has no width: never drawn)."""
     if probs.device.type != "cpu":
-        assert generator is None, "a seeded row draws on the CPU"
         return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
     rows, width = probs.shape
     count = -(-width // DRAW_BLOCK)
     blocks = torch.nn.functional.pad(probs, (0, count * DRAW_BLOCK - width)).view(rows, count, DRAW_BLOCK)
     ends = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, blocks]: mass up to each block's end
-    at = torch.rand(rows, 1, dtype=torch.float64, generator=generator) * ends[:, -1:]
+    at = torch.rand(rows, 1, dtype=torch.float64) * ends[:, -1:]
     block = torch.searchsorted(ends, at, right=True).clamp_(max=count - 1)
     at -= torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), 0.0)
     inside = blocks[torch.arange(rows), block[:, 0]].double()  # [B, DRAW_BLOCK]
