@@ -1,7 +1,8 @@
 """What a sampled token's draw costs on the CPU: `sampling.draw` (one
 uniform a row, looked up in its cumulative sums) against the rule it
 replaced there (the argmax of probs / E, an exponential E a token) and
-`torch.multinomial` (a seeded row's, a row at a time), ms a call.
+`torch.multinomial` (what a seeded row still calls, a row at a time), ms
+a call.
 
 Usage: PYTHONPATH=. python benchmarks/sample_draw.py [ROWSxVOCAB ...]
 """
@@ -36,7 +37,7 @@ def main() -> None:
         exponential = timed(lambda: (probs / torch.empty_like(probs).exponential_()).argmax(-1))
         batched = timed(lambda: draw(probs))
         multinomial = timed(lambda: [torch.multinomial(probs[i], 1, generator=gen) for i in range(rows)])
-        one_by_one = timed(lambda: [draw(probs[i][None], gen) for i in range(rows)])
+        one_by_one = timed(lambda: [draw(probs[i][None]) for i in range(rows)])
         print(f"| {rows} x {vocab:,} | {exponential:.2f} | {batched:.2f} | {multinomial:.2f} | {one_by_one:.2f} |")
 
 
