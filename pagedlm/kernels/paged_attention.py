@@ -516,7 +516,8 @@ def _rows_flat(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (what sizes a grid to fill it); 1 for the interpreter."""
     if device.type != "cuda":
         return 1  # the interpreter
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -563,7 +564,7 @@ def decode_programs(batch: int, kv_heads: int, device: torch.device) -> int:
     """Programs per (row, KV head): enough that the grid is about PROGRAMS_PER_SM
     programs per SM (a row's splits are shared out), at most MAX_PROGRAMS.
     Any count gives the same result (each split is its own partial)."""
-    want = -(-PROGRAMS_PER_SM * _sm_count(device) // (batch * kv_heads))
+    want = -(-PROGRAMS_PER_SM * sm_count(device) // (batch * kv_heads))
     return max(1, min(MAX_PROGRAMS, triton.next_power_of_2(want)))
 
 
@@ -664,7 +665,7 @@ def decode_splits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
         part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         *k_pool.stride(), *v_pool.stride(), *scale_strides(scales),
         scale, _window(window), programs,
-        **decode_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, run, busy=B * Hkv >= _sm_count(q.device)),
+        **decode_constants(q.dtype, Hq // Hkv, D, BS, scales is not None, run, busy=B * Hkv >= sm_count(q.device)),
         num_warps=WARPS, **launch_options(q.device),
     )
 
