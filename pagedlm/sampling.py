@@ -416,7 +416,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.dev
 
 
 DRAW_BLOCK = 1024  # tokens a block of `draw`'s two-level search on the CPU
-DRAW_CHUNK_BYTES = 4 << 20  # rows `draw` takes at once on the CPU: at 64 x 151,936 5.4 ms, 33 all at once
+DRAW_CHUNK_BYTES = 4 << 20  # rows `draw` takes at once on the CPU: at 64 x 151,936 7.9 ms, 33-39 all at once
 
 
 def draw(probs: torch.Tensor) -> torch.Tensor:

@@ -166,7 +166,6 @@ if triton is not None:
         keep = ((word >> (offs % 32)) & 1) != 0
         tl.store(Out + row * stride_o + offs, tl.where(keep & (x == x), x, float("-inf")), mask=m)
 
-
     @triton.jit
     def _gumbel_split_kernel(Logits, InvT, Part, stride_l, n, chunk, splits, seed, BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
@@ -174,9 +173,10 @@ if triton is not None:
         multiple of BLOCK) when its ``inv_t`` > 0: its best token under the
         Gumbel-max rule (``x * inv_t + g``, g a Gumbel draw per token: the
         argmax over the row is a draw from softmax(logits * inv_t)), as one
-        int64 key that orders candidates (`_gumbel_key`); the torch sampler's
-        reading of logits: +inf ones (if any) are the only candidates, -inf
-        and NaN ones are never drawn unless nothing else is (then any token is)."""
+        int64 key that orders candidates by rank, then score, then token id.
+        The rank is the torch sampler's reading of logits: +inf ones (if any)
+        are the only candidates, -inf and NaN ones are never drawn unless
+        nothing else is (then any token is)."""
         await_inputs(PDL)
         row = tl.program_id(0)
         z = tl.program_id(1)
