@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import atexit
 import cProfile
-import io
-import pstats
 import gc
 import inspect
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import threading
