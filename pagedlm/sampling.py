@@ -342,20 +342,23 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"], ruled: Collecti
         else:
             keep_all = torch.zeros(width, device=device)
             logits = logits + torch.stack([keep_all if m is None else m for m in masks])
-    greedy = logits.argmax(-1)
     drawn = [i for i, seq in enumerate(seqs) if seq.generator is not None]
+    # the greedy rows' argmax (none: a tensor the draws fill, no pass over the logits for nothing)
+    tokens = logits.argmax(-1) if len(drawn) < len(seqs) else torch.empty(len(seqs), dtype=torch.long, device=device)
     if drawn and fused.enabled(logits):  # rows of a temperature alone: one launch (`fused.gumbel_pick`)
         alone = {i for i in drawn if _temperature_alone(seqs[i].params, width)}
         if alone:
             inverse = [1.0 / seq.params.temperature if i in alone else 0.0 for i, seq in enumerate(seqs)]
             seed = int(torch.randint(2**31 - 1, ()))  # (torch's generator: torch.manual_seed repeats the draws)
-            greedy = fused.gumbel_pick(logits, to_device(inverse, torch.float32, device), greedy, seed)
+            tokens = fused.gumbel_pick(logits, to_device(inverse, torch.float32, device), tokens, seed)
             drawn = [i for i in drawn if i not in alone]
     if not drawn:
-        return greedy
+        return tokens
+    if len(drawn) == len(seqs):  # every row drawn by the torch ops: no rows picked out and put back
+        return draw(_probs(logits, [seq.params for seq in seqs], device))
     rows = to_device(drawn, torch.long, device)
     probs = _probs(logits.index_select(0, rows), [seqs[i].params for i in drawn], device)
-    return greedy.index_copy(0, rows, draw(probs))
+    return tokens.index_copy(0, rows, draw(probs))
 
 
 def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:

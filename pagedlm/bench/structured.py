@@ -9,7 +9,7 @@ rows generate up to ``--structured-max-tokens`` tokens and end when
 their grammar completes, greedily or, with ``--structured-temperature``,
 sampled without a seed (as their twins are). With random weights the model
 all but ignores its prompt: greedy rows write a handful of texts between
-them (6 distinct of 64 rows here), so their grammars meet each costly
+them (6 distinct of 64 in a run on a CPU), so their grammars meet each costly
 state together, the lanes filling the same mask at once; sampled rows
 differ, as the requests of many clients do; each unconstrained row then generates exactly as
 many tokens as its constrained twin did, end-of-sequence ignored. So both
