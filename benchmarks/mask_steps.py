@@ -7,10 +7,19 @@ the bench's own rows:
   synchronous step, or of an async step whose pick it defers) and live row
   count: how many, and their median ms; ``PREFETCH=0`` in the environment
   turns the engine's ``prefetch_masks`` (on by default on CUDA), and so
-  the deferred pick, off;
+  the deferred pick, off, ``PREFETCH=1`` on (on the CPU, with
+  ``PAGEDLM_ASYNC_SCHEDULING=1``: the CUDA path's host work, its parts
+  timed by ``PARTS=1``, without a device to overlap);
 - ``parts_ms``: with ``PARTS=1``, the host's parts of the steps that had
   grammar rows (perf_counter around each engine call named: how many a
   step, median ms a call; ``step`` is the whole engine step);
+  ``chain`` is the host's critical chain of a deferred pick: from a
+  step's `_land` (the token in flight read; on CUDA the device runs the
+  step just launched) until the next step's `grammar_masks` returns (its
+  masks in hand: the pick launches), the landing, the step's end and the
+  next step's scheduling and preparation on the way; ``plain_parts_ms``
+  the same calls in the other steps of 64 rows (how many, median ms),
+  the unconstrained rows' host work;
 - ``step_ms``: those whole steps' median, mean, 90th percentile and
   largest (a median below the bench's mean ms a step: a few slow steps);
   ``plain_step_ms`` the same of the steps without grammar rows (the
@@ -61,9 +70,9 @@ _step, _fill_live = engine_module.LLMEngine.step, getattr(matcher_module, "_fill
 
 
 def step(self):
-    if os.environ.get("PREFETCH") == "0":
-        self.prefetch_masks = False
-    running = len(self.scheduler.running)
+    if os.environ.get("PREFETCH") in ("0", "1"):
+        self.prefetch_masks = os.environ["PREFETCH"] == "1"
+    running = rows_running[0] = len(self.scheduler.running)
     in_grammar_step[0] = any(seq.matcher is not None for seq in self.scheduler.running)
     if os.environ.get("TRACE") and in_grammar_step[0] and len(self.scheduler.running) == 64:
         trace(counts.setdefault("traced", 0))
@@ -79,6 +88,8 @@ def step(self):
         parts.setdefault("step", []).append(time.perf_counter() - t0)
     elif running:
         plain_steps.append(time.perf_counter() - t0)
+        if running == 64 and os.environ.get("PARTS") == "1":
+            plain_parts.setdefault("step", []).append(plain_steps[-1])
     counts["steps"] += 1
     return out
 
@@ -110,7 +121,8 @@ def fill_live(executor, live, bitmask):
         fills.setdefault(key, []).append(time.perf_counter() - t0)
 
 
-parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps
+parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps,
+plain_parts: dict[str, list[float]] = {}  # and during the others (those of 64 rows: `step`)
 PARTS = ("_land", "_launch", "_append", "_advance")  # (those a tree has; a deferred pick's _launch is in prepare_step)
 in_grammar_step = [False]
 
@@ -121,9 +133,22 @@ def timed(name, fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            if in_grammar_step[0]:
-                parts.setdefault(name, []).append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            if not in_grammar_step[0]:
+                if rows_running[0] == 64:
+                    plain_parts.setdefault(name, []).append(t1 - t0)
+            else:
+                parts.setdefault(name, []).append(t1 - t0)
+                if name == "_land":
+                    landed[0] = t0
+                elif name == "grammar_masks" and landed[0] is not None:  # the host's chain, in ``chain``
+                    parts.setdefault("chain", []).append(t1 - landed[0])
+                    landed[0] = None
     return wrapper
+
+
+landed: list[float | None] = [None]  # when the last grammar step's `_land` began
+rows_running = [0]  # in the step under way
 
 
 plain_steps: list[float] = []  # the steps with rows running, none with a grammar (the unconstrained runs', prefills)
@@ -150,10 +175,11 @@ def report() -> None:
     by_thread = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in sorted(fills.items())}
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
-    print(json.dumps({**counts, "prefetch": os.environ.get("PREFETCH") != "0", "lanes": os.environ.get("LANES"),
+    plain_timed = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in plain_parts.items()}
+    print(json.dumps({**counts, "prefetch": {"0": False, "1": True}.get(os.environ.get("PREFETCH"), "default"), "lanes": os.environ.get("LANES"),
                       "no_forcing": os.environ.get("NO_FORCING") == "1",
                       "fill_rows_ms": by_thread,
-                      **({"parts_ms": timed_parts, "step_ms": step_ms} if parts else {}), "plain_step_ms": plain_ms,
+                      **({"parts_ms": timed_parts, "step_ms": step_ms, "plain_parts_ms": plain_timed} if parts else {}), "plain_step_ms": plain_ms,
                       "gc_ms": {g: [len(v), round(1000 * sum(v), 3)] for g, v in sorted(collections.items())}}),
           flush=True)
 

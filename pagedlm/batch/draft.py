@@ -56,6 +56,10 @@ class _Row:
     def new_tokens(self, n: int) -> list[int]:
         return self.tokens[self.num_computed : self.num_computed + n]
 
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
 
 class DraftProposer:
     def __init__(self, draft: torch.nn.Module, num_speculative_tokens: int, target_vocab: int,

@@ -114,6 +114,9 @@ class InFlight:
     logits: torch.Tensor | None = None
 
 
+# `LLMEngine._append`'s default: the row's matcher takes the appended token there (else it took it before).
+ADVANCE = object()
+
 # Verify steps of up to this many rows replay graphs (larger ones run eagerly): the graphs hold
 # every token's logits, 256 rows of 1 + 8 tokens over Gemma 3's 262,144 would be 1.2 GB of bf16.
 MAX_VERIFY_GRAPH_ROWS = 64
@@ -388,15 +391,21 @@ class LLMEngine:
             # mask needs that step's token: then it lands first (the device runs the forward meanwhile).
             grammar = [seq for seq in sampled if seq.matcher is not None]
             land_first = not overlap or bool(grammar)
-            if inflight is not None and land_first:
-                outputs += self._land(inflight, current)
-            if overlap:
-                if grammar and self.prefetch_masks:  # the pick waits for masks filled in the background
-                    from pagedlm.structured.matcher import prefetch_bitmasks
+            deferred = overlap and bool(grammar) and self.prefetch_masks  # the pick waits for a background fill
+            if deferred:
+                from pagedlm.structured.matcher import prefetch_bitmasks
 
+                def prefetch(ended: set[int]) -> None:  # once the matchers hold the landed tokens
+                    prefetch_bitmasks([seq.matcher for seq in grammar if not seq.is_finished
+                                       and seq.seq_id not in ended], pinned=logits.is_cuda)
+            if inflight is not None and land_first:
+                outputs += self._land(inflight, current, prefetch if deferred else None)
+            elif deferred:
+                prefetch(set())
+            if overlap:
+                if deferred:
                     launched = InFlight(sampled, {seq.seq_id: i for i, seq in enumerate(sampled)}, None, None,
                                         logits=logits)
-                    prefetch_bitmasks([seq.matcher for seq in grammar if not seq.is_finished], pinned=logits.is_cuda)
                 elif sampled:
                     launched, ended = self._launch(logits, sampled)
                     outputs += self._end(ended, current)
@@ -479,18 +488,29 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.output_ids.append(PENDING)
 
-    def _land(self, inflight: InFlight, current: dict[Sequence, int]) -> list[GenerationResponse]:
+    def _land(self, inflight: InFlight, current: dict[Sequence, int],
+              advanced: Callable[[set[int]], None] | None = None) -> list[GenerationResponse]:
         """Read an in-flight step's tokens, answer for them and end the
         sequences they end (`_end`; ``current``: the step launched since, a
-        row per sequence)."""
+        row per sequence). With ``advanced``: the grammar rows' matchers take
+        their tokens first, then ``advanced`` is called with the ids of the
+        sequences whose grammar those tokens end, before the rest (text,
+        responses): a background fill of the next masks overlaps that work."""
         if inflight.ready is not None:
             inflight.ready.synchronize()
+        tokens = inflight.host.tolist()
+        ends: dict[int, str | None] = {}  # sequence id -> how its grammar took its token (`RowMatcher.advance`)
+        if advanced is not None:
+            for seq, token in zip(inflight.sampled, tokens):
+                if seq.matcher is not None and not seq.is_finished and not self._stop_token(seq, token):
+                    ends[seq.seq_id] = seq.matcher.advance(token)
+            advanced({i for i, end in ends.items() if end is not None})
         outputs = []
-        for seq, token in zip(inflight.sampled, inflight.host.tolist()):
+        for seq, token in zip(inflight.sampled, tokens):
             if seq.is_finished:  # aborted since
                 continue
             seq.output_ids.pop()  # PENDING
-            outputs.append(self._append(seq, token, None))
+            outputs.append(self._append(seq, token, None, ends.get(seq.seq_id, ADVANCE)))
         return self._end(outputs, current)
 
     def _end(self, outputs: list[GenerationResponse], current: dict[Sequence, int]) -> list[GenerationResponse]:
@@ -632,9 +652,20 @@ class LLMEngine:
         seq.prompt_logprobs += logprobs_of(logits, targets, seq.params.prompt_logprobs)
         seq.prompt_logprob_ranks += ranks_of(logits, targets)
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> GenerationResponse:
+    @staticmethod
+    def _stop_token(seq: Sequence, token: int) -> bool:
+        """``token`` ends ``seq`` as a stop token (EOS or ``stop_token_ids``;
+        vLLM: none within the first min_tokens), ``seq.output_ids`` holding
+        its place already (the token, or `PENDING`)."""
+        return len(seq.output_ids) > seq.params.min_tokens and token in seq.stop_ids
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                grammar_end: str | None | object = ADVANCE) -> GenerationResponse:
         """Add ``token`` to ``seq``; decide whether it ends it (the step ends
-        it, after committing its blocks); the text it completes."""
+        it, after committing its blocks); the text it completes.
+        ``grammar_end``: `ADVANCE` (its matcher takes the token here, if
+        neither a stop token nor a stop string ends it first), else what
+        its matcher's `advance` gave for it already."""
         first = seq.first_token_at is None
         if first:
             seq.first_token_at = time.perf_counter()
@@ -643,7 +674,7 @@ class LLMEngine:
         seq.output_ids.append(token)
         finish = None
         stopping = len(seq.output_ids) > seq.params.min_tokens  # vLLM: no stop within the first min_tokens
-        if stopping and token in seq.stop_ids:
+        if self._stop_token(seq, token):
             # The stop token's own text is emitted only with include_stop_str_in_output; what is held back is.
             piece = seq.detokenizer.add_token(token) if seq.params.include_stop_str_in_output else ""
             text, finish = seq.stops.feed(piece + seq.detokenizer.finalize())[0] + seq.stops.flush(), "stop"
@@ -653,7 +684,8 @@ class LLMEngine:
             text, hit = seq.stops.feed(piece) if stopping else (piece, None)
             if hit is not None:
                 finish, seq.stop_reason = "stop", hit
-            elif seq.matcher is not None and (end := seq.matcher.advance(token)) is not None:  # "stop", "error"
+            elif seq.matcher is not None and (end := seq.matcher.advance(token) if grammar_end is ADVANCE
+                                              else grammar_end) is not None:  # "stop", "error"
                 text += seq.stops.feed(seq.detokenizer.finalize())[0] + seq.stops.flush()
                 finish = end
             elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -146,6 +146,11 @@ class Sequence:
         return self.prompt_ids[begin:end] + self.output_ids[: max(0, end - p)] + ahead
 
     @property
+    def last_token(self) -> int:
+        """What a decode row feeds (`new_tokens(1)` once all but it are computed)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def pending(self) -> bool:
         """Its last token is sampled on the device, not yet known here (async scheduling)."""
         return bool(self.output_ids) and self.output_ids[-1] == PENDING

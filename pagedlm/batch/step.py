@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -53,26 +54,30 @@ def prepare_step(
     fed_at: list[int] = []  # positions in the step fed from the last step's tokens,
     fed_from: list[int] = []  # and which of them
     for r, (seq, n) in enumerate(rows):
-        begin = seq.num_computed
-        ids += seq.new_tokens(n)
+        begin, total = seq.num_computed, seq.num_tokens
+        if n == 1 and begin + 1 == total:  # a decode row (most rows, most steps): its last token
+            ids.append(seq.last_token)
+            positions.append(begin)
+        else:
+            ids += seq.new_tokens(n)
+            positions += range(begin, begin + n)
         if ids[-1] == PENDING:
             fed_at.append(len(ids) - 1)
             fed_from.append(feed[0][seq.seq_id])
-        positions += range(begin, begin + n)
         starts.append(starts[-1] + n)
         lens.append(begin + n)
-        if begin + n >= seq.num_tokens:
+        if begin + n >= total:
             sampling.append(r)
-            logits_rows += range(starts[r] + seq.num_tokens - 1 - begin, starts[r + 1])
+            logits_rows += range(starts[r] + total - 1 - begin, starts[r + 1])
     # Everything the device needs goes over in one copy, then is cut apart.
     parts = [ids, positions, lens, logits_rows, fed_at, fed_from]
     width = 0
     if blocks is not None:
         tables = [blocks.tables[seq.seq_id] for seq, _ in rows]
-        width = max(len(t) for t in tables)
+        held = np.fromiter(map(len, tables), np.int64, len(tables))
+        width = int(held.max())
         padded = np.full((len(rows), width), -1, dtype=np.int64)
-        for r, t in enumerate(tables):
-            padded[r, : len(t)] = t
+        padded[np.arange(width) < held[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64, held.sum())
         pos = np.asarray(positions, dtype=np.int64)
         row_of = np.repeat(np.arange(len(rows)), [n for _, n in rows])
         bs = blocks.block_size

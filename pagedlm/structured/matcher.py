@@ -254,9 +254,9 @@ def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False) -> None:
     filled = {j for _, j in live}
     _zero_all_but(bitmask, filled)
 
-    def fill() -> tuple[torch.Tensor, set[int]]:
+    def fill() -> tuple[torch.Tensor, set[int], np.ndarray]:
         _fill_live(executor, live, bitmask)
-        return out, filled
+        return out, filled, bitmask.any(axis=1)  # (numpy drops the GIL: off the step's thread too)
     _pending = future = _background.submit(fill)
     for j, m in enumerate(matchers):
         m._prefetched = (m.version, future, j)
@@ -286,15 +286,14 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
     if prefetched is not None and len(prefetched[0]) == len(matchers) and prefetched[0].is_pinned() == pinned \
             and all(a is not None and a[1] is ahead[0][1] and a[2] == j and a[0] == m.version
                     for j, (a, m) in enumerate(zip(ahead, matchers))):
-        out, filled = prefetched  # the prefetch, row for row: taken as it is
-        bitmask = out.numpy()
+        out, filled, allows = prefetched  # the prefetch, row for row: taken as it is
     else:
         out = _new_bitmask(matchers, pinned)
         bitmask = out.numpy()
         filled, todo = set(), []
         for j, (a, m) in enumerate(zip(ahead, matchers)):
             if a is not None and a[0] == m.version:
-                rows, live = a[1].result()
+                rows, live, _ = a[1].result()
                 bitmask[j] = rows[a[2]].numpy()
                 if a[2] in live:
                     filled.add(j)
@@ -302,7 +301,7 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
                 todo.append(j)
         filled |= _fill_rows(bitmask, matchers, todo)
         _zero_all_but(bitmask, filled)
-    allows = bitmask.any(axis=1)
+        allows = bitmask.any(axis=1)
     return out, [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
 
 

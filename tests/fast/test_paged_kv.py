@@ -42,6 +42,10 @@ class FakeSeq:
     def new_tokens(self, n: int) -> list[int]:
         return self.tokens[self.num_computed : self.num_computed + n]
 
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
 
 UNWRITTEN = 7.0
 
