@@ -133,7 +133,7 @@ class TokenRules:
         """int32 ``[ceil(width / 32)]``, read-only: bit ``j`` of word ``i`` set
         where it permits token ``32 * i + j`` (llguidance's bitmask layout; the
         bias and the step's own bans aside). Rules that permit the same tokens
-        share one array (`grammar_masks` applies each array once a step)."""
+        share one array (`fill_bitmask` applies each array once a step)."""
         return _permitted_words(self.banned, self.allowed, width)
 
     def apply(self, logits: torch.Tensor, output_ids: list[int]) -> torch.Tensor:
@@ -235,9 +235,6 @@ def apply_penalties(logits: torch.Tensor, seq: "Sequence") -> torch.Tensor:
     return logits
 
 
-NOTHING_LEFT = "the request's allowed_token_ids, bad_words or min_tokens leave no token the grammar allows"
-
-
 def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
     """Next token of one row from its float32 logits ``[V]``: its rules, its
     penalties, then the argmax or its draw; None for a constrained row whose
@@ -247,6 +244,8 @@ def sample_row(logits: torch.Tensor, seq: "Sequence") -> int | None:
         logits = seq.rules.apply(logits, seq.output_ids)
         matcher = seq.matcher
         if matcher is not None and not bool((logits > float("-inf")).any()):
+            from pagedlm.structured.matcher import NOTHING_LEFT
+
             matcher.fail(NOTHING_LEFT)
             return None
     logits = apply_penalties(logits, seq)
@@ -361,6 +360,13 @@ def pick_on_device(logits: torch.Tensor, seqs: list["Sequence"], ruled: Collecti
     return tokens.index_copy(0, rows, draw(probs))
 
 
+def permitted_words(seqs: list["Sequence"]) -> list[np.ndarray | None]:
+    """Per grammar row of ``seqs``: the bitmask words its static rules permit
+    (`TokenRules.words`; None: no rules), which its masks are filled less
+    (`fill_bitmask`, `prefetch_bitmasks`)."""
+    return [None if seq.rules is None else seq.rules.words(seq.matcher.width) for seq in seqs]
+
+
 def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
     """The masks of grammar rows ``seqs``: each row's bitmask
     (`structured.fill_bitmask`, CPU int32, pinned if ``pinned``) less the
@@ -370,25 +376,7 @@ def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.T
     `sample_row` kills it)."""
     from pagedlm.structured import fill_bitmask  # llguidance is imported only when a request has a grammar
 
-    bitmask, live = fill_bitmask([seq.matcher for seq in seqs], pinned)
-    words = bitmask.numpy()
-    ruled: dict[int, tuple[np.ndarray, list[int]]] = {}  # each rules' array once: the rows it applies to
-    for j, seq in enumerate(seqs):
-        if live[j] and seq.rules is not None:
-            permitted = seq.rules.words(seq.matcher.width)
-            ruled.setdefault(id(permitted), (permitted, []))[1].append(j)
-    for permitted, rows in ruled.values():
-        if len(rows) == len(seqs):  # (every row: in place, no copy)
-            np.bitwise_and(words, permitted, out=words)
-        else:
-            words[rows] &= permitted
-    rows = sorted(j for _, js in ruled.values() for j in js)
-    left = words.any(axis=1) if len(rows) == len(seqs) else words[rows].any(axis=1)  # (a row each of rows)
-    for j, ok in zip(rows, left):
-        if not ok:
-            seqs[j].matcher.fail(NOTHING_LEFT)
-            live[j] = False
-    return bitmask, live
+    return fill_bitmask([seq.matcher for seq in seqs], pinned, permitted_words(seqs))
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:

@@ -34,8 +34,8 @@ from pagedlm.kernels.copies import to_device
 from pagedlm.options import (DEFAULT_NUM_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, EngineOptions, OptionError,
                              async_scheduling_on, check_refusals)
 from pagedlm.params import SamplingParams
-from pagedlm.sampling import (grammar_masks, logprobs_of, pick_on_device, picks_on_device, ranks_of, sample,
-                              shares_argmax, token_rules)
+from pagedlm.sampling import (grammar_masks, logprobs_of, permitted_words, pick_on_device, picks_on_device, ranks_of,
+                              sample, shares_argmax, token_rules)
 from pagedlm.speculative import NgramProposer, SpecStats, verify
 
 from .graphs import capture_graphs
@@ -396,8 +396,8 @@ class LLMEngine:
                 from pagedlm.structured.matcher import prefetch_bitmasks
 
                 def prefetch(ended: set[int]) -> None:  # once the matchers hold the landed tokens
-                    prefetch_bitmasks([seq.matcher for seq in grammar if not seq.is_finished
-                                       and seq.seq_id not in ended], pinned=logits.is_cuda)
+                    going = [seq for seq in grammar if not seq.is_finished and seq.seq_id not in ended]
+                    prefetch_bitmasks([seq.matcher for seq in going], logits.is_cuda, permitted_words(going))
             if inflight is not None and land_first:
                 outputs += self._land(inflight, current, prefetch if deferred else None)
             elif deferred:
@@ -419,9 +419,9 @@ class LLMEngine:
         if self._grammars is not None and self.prefetch_masks and self._inflight is None:
             from pagedlm.structured.matcher import prefetch_bitmasks
 
-            prefetch_bitmasks([seq.matcher for seq in self.scheduler.running if seq.matcher is not None
-                               and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1],
-                              pinned=self.device.type == "cuda")
+            going = [seq for seq in self.scheduler.running if seq.matcher is not None
+                     and seq.matcher.ready() and seq.num_tokens - seq.num_computed == 1]
+            prefetch_bitmasks([seq.matcher for seq in going], self.device.type == "cuda", permitted_words(going))
         return outputs
 
     def _may_overlap(self, rows: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:

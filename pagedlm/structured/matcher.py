@@ -233,43 +233,74 @@ def hand_off_the_gil_quickly() -> None:
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
-def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False) -> None:
+# A row's grammar allows tokens, but its request's static rules (`fill_bitmask`'s ``permitted``) refuse them all.
+NOTHING_LEFT = "the request's allowed_token_ids, bad_words or min_tokens leave no token the grammar allows"
+
+
+def _permit(bitmask: np.ndarray, rows, permitted: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Whether each row of ``bitmask`` allows a token (its grammar's verdict),
+    then ``rows`` of it less what their ``permitted`` words refuse (rows
+    sharing an array at once), and whether each row still allows one. Host
+    work in numpy, which drops the GIL for each pass."""
+    allows = bitmask.any(axis=1)
+    by_array: dict[int, tuple[np.ndarray, list[int]]] = {}
+    for j in rows:
+        if permitted[j] is not None:
+            by_array.setdefault(id(permitted[j]), (permitted[j], []))[1].append(j)
+    if not by_array:
+        return allows, allows
+    for words, js in by_array.values():
+        if len(js) == len(bitmask):  # (every row: in place, no copy)
+            np.bitwise_and(bitmask, words, out=bitmask)
+        else:
+            bitmask[js] &= words
+    return allows, bitmask.any(axis=1)
+
+
+def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False,
+                      permitted: list[np.ndarray | None] | None = None) -> None:
     """Start filling ``matchers``' next bitmasks on a background thread, in
-    pinned memory if ``pinned``: the engine calls it once a step's tokens
+    pinned memory if ``pinned``, less what ``permitted`` refuses (as
+    `fill_bitmask`): the engine calls it once a step's tokens
     have advanced them, so that the fill overlaps the host's next step (and
     the device's forward pass). The rows are picked out here, on the
-    calling thread: the background thread only calls llguidance, which drops
-    the GIL (its Python beside the step's cost the step more than the fill
-    it moved, 2026-12-06). `fill_bitmask` takes a row from it while its
-    matcher has not moved since; a matcher's own calls (advance, rollback,
-    is_finished, is_dead, fill) wait for the fill first."""
+    calling thread: the background thread only calls llguidance and numpy,
+    which drop the GIL (its Python beside the step's cost the step more than
+    the fill it moved, 2026-12-06). `fill_bitmask` takes a row from it while
+    its matcher has not moved since (and its ``permitted`` is the same
+    array); a matcher's own calls (advance, rollback, is_finished, is_dead,
+    fill) wait for the fill first."""
     global _pending
     if not matchers:
         return
     if _pending is not None:
         _pending.result()
+    permitted = permitted or [None] * len(matchers)
     out = _new_bitmask(matchers, pinned)
     bitmask = out.numpy()
     executor, live = _by_lane(matchers, range(len(matchers)))
     filled = {j for _, j in live}
     _zero_all_but(bitmask, filled)
 
-    def fill() -> tuple[torch.Tensor, set[int], np.ndarray]:
+    def fill() -> tuple[torch.Tensor, set[int], np.ndarray, np.ndarray]:
         _fill_live(executor, live, bitmask)
-        return out, filled, bitmask.any(axis=1)  # (numpy drops the GIL: off the step's thread too)
+        return out, filled, *_permit(bitmask, filled, permitted)
     _pending = future = _background.submit(fill)
     for j, m in enumerate(matchers):
-        m._prefetched = (m.version, future, j)
+        m._prefetched = (m.version, future, j, permitted[j])
 
 
-def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
+def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False,
+                 permitted: list[np.ndarray | None] | None = None) -> tuple[torch.Tensor, list[bool]]:
     """The step's bitmask, a CPU int32 row per matcher (its `RowMatcher.fill`,
     by an llguidance executor of a thread a lane: `Grammar`; a row
     `prefetch_bitmasks` filled for the matcher's state is taken from there),
-    and per row whether any token is allowed (False: dead, its row all zeros).
-    ``pinned``: in pinned memory (llguidance writes there: a copy to a GPU
-    then leaves without a wait and without a staging copy; 1.2 MB at 64 rows
-    of a 152k vocabulary).
+    each row less the tokens its ``permitted`` words refuse (a row's request's
+    static rules, `TokenRules.words`; None: none), and per row whether any
+    token is allowed (False: dead, `NOTHING_LEFT` where the rules refused
+    every token the grammar allows). ``pinned``: in pinned memory
+    (llguidance writes there: a copy to a GPU then leaves without a wait and
+    without a staging copy; 1.2 MB at 64 rows of a 152k vocabulary).
 
     Host work in numpy, not torch: a torch op on the CPU this size wakes
     torch's intra-op threads, which spin for a while beside llguidance's (a
@@ -279,30 +310,39 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False) -> tuple[torc
     if _pending is not None:  # one fill at a time on the executors
         _pending.result()
         _pending = None
+    permitted = permitted or [None] * len(matchers)
     ahead = [m._prefetched for m in matchers]
     for m in matchers:
         m._prefetched = None
     prefetched = ahead[0][1].result() if ahead[0] is not None else None
     if prefetched is not None and len(prefetched[0]) == len(matchers) and prefetched[0].is_pinned() == pinned \
-            and all(a is not None and a[1] is ahead[0][1] and a[2] == j and a[0] == m.version
-                    for j, (a, m) in enumerate(zip(ahead, matchers))):
-        out, filled, allows = prefetched  # the prefetch, row for row: taken as it is
+            and all(a is not None and a[1] is ahead[0][1] and a[2] == j and a[0] == m.version and a[3] is p
+                    for j, (a, m, p) in enumerate(zip(ahead, matchers, permitted))):
+        out, filled, allows, left = prefetched  # the prefetch, row for row: taken as it is
     else:
         out = _new_bitmask(matchers, pinned)
         bitmask = out.numpy()
+        allows, left = np.zeros(len(matchers), dtype=bool), np.zeros(len(matchers), dtype=bool)
         filled, todo = set(), []
         for j, (a, m) in enumerate(zip(ahead, matchers)):
-            if a is not None and a[0] == m.version:
-                rows, live, _ = a[1].result()
+            if a is not None and a[0] == m.version and a[3] is permitted[j]:
+                rows, live, allowed, kept = a[1].result()
                 bitmask[j] = rows[a[2]].numpy()
+                allows[j], left[j] = allowed[a[2]], kept[a[2]]
                 if a[2] in live:
                     filled.add(j)
             else:
                 todo.append(j)
-        filled |= _fill_rows(bitmask, matchers, todo)
-        _zero_all_but(bitmask, filled)
-        allows = bitmask.any(axis=1)
-    return out, [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
+        done = _fill_rows(bitmask, matchers, todo)
+        _zero_all_but(bitmask, filled | done)
+        allows[todo], left[todo] = (v[todo] for v in _permit(bitmask, done, permitted))
+        filled |= done
+    live = [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
+    for j, m in enumerate(matchers):
+        if live[j] and not left[j]:
+            m.fail(NOTHING_LEFT)
+            live[j] = False
+    return out, live
 
 
 def masked_logits(logits: torch.Tensor, matchers: list[RowMatcher],

@@ -450,6 +450,46 @@ def test_a_mask_filled_ahead_is_taken_only_for_the_state_it_was_filled_for(setup
     assert took is whole and torch.equal(took, again) and live == [True] * 3
 
 
+def test_a_mask_filled_ahead_holds_the_rules_it_was_filled_with(setup):
+    """`prefetch_bitmasks` with rows' ``permitted`` words (their rules) ANDs
+    them in the background: `fill_bitmask` with the same arrays takes the
+    rows as they are (the bits of filling now, less the rules); with another
+    array a row is filled again for it; a row whose rules refuse every token
+    its grammar allows is dead with `NOTHING_LEFT`, taken ahead or not."""
+    import numpy as np
+
+    from pagedlm.structured.matcher import NOTHING_LEFT, fill_bitmask, prefetch_bitmasks
+
+    tokenizer, compiler = setup
+    seqs = [row(tokenizer, compiler, Constraint(json=s), False, seed=i) for i, s in enumerate(SCHEMAS[40:43])]
+    for s in seqs:
+        wait_ready(s)
+    matchers = [s.matcher for s in seqs]
+    fresh = fill_bitmask(matchers)[0].numpy().copy()
+    words = fresh.shape[1]
+    odd = np.full(words, 0x55555555, dtype=np.int32)  # every other token
+    even = np.full(words, -0x55555556, dtype=np.int32)  # the others (0xAAAAAAAA)
+    rules = [odd, None, even]
+    want = fresh & np.stack([odd, np.full(words, -1, dtype=np.int32), even])
+    prefetch_bitmasks(matchers, permitted=rules)
+    whole = matchers[0]._prefetched[1].result()[0]
+    took, live = fill_bitmask(matchers, permitted=rules)
+    assert took is whole and np.array_equal(took.numpy(), want) and live == [True] * 3
+    prefetch_bitmasks(matchers, permitted=rules)
+    swapped = [odd, None, odd]  # the last row's rules are another array: filled again for them
+    got, live = fill_bitmask(matchers, permitted=swapped)
+    assert np.array_equal(got.numpy()[:2], want[:2]) and np.array_equal(got.numpy()[2], fresh[2] & odd)
+    assert live == [True] * 3
+    nothing = ~fresh[1]  # refuses exactly what row 1's grammar allows
+    for ahead in (True, False):
+        again = [row(tokenizer, compiler, Constraint(json=SCHEMAS[41]), False, seed=9)]
+        wait_ready(again[0])
+        if ahead:
+            prefetch_bitmasks([again[0].matcher], permitted=[nothing])
+        mask, live = fill_bitmask([again[0].matcher], permitted=[nothing])
+        assert live == [False] and again[0].matcher.error == NOTHING_LEFT and not mask.numpy().any()
+
+
 def test_rows_in_lanes_fill_the_masks_one_compile_fills(setup):
     """A grammar compiled in three lanes (rows copy the compiles in turn and
     an executor of a thread a lane fills them) gives every row the bits

@@ -86,9 +86,9 @@ def test_masks_filled_ahead_on_a_background_thread_give_the_same_tokens(model, t
         seqs = [engine.add_request(prompt, constrained(kinds[0], temperature=temperature, seed=1, n=2))]
         taken = []
 
-        def counting(matchers, pinned=False):
+        def counting(matchers, pinned=False, permitted=None):
             taken.extend(m._prefetched is not None and m._prefetched[0] == m.version for m in matchers)
-            return fill(matchers, pinned)
+            return fill(matchers, pinned, permitted)
         monkeypatch.setattr(structured, "fill_bitmask", counting)  # the name `sample` imports
         steps = 0
         while engine.has_unfinished():
@@ -181,9 +181,9 @@ def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens
     kinds = [dict(json=SCHEMA), dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"), dict(choice=["left", "right", "up"])]
     fill, taken = structured.fill_bitmask, []
 
-    def counting(matchers, pinned=False):
+    def counting(matchers, pinned=False, permitted=None):
         taken.extend(m._prefetched is not None and m._prefetched[0] == m.version for m in matchers)
-        return fill(matchers, pinned)
+        return fill(matchers, pinned, permitted)
     monkeypatch.setattr(structured, "fill_bitmask", counting)  # the name `grammar_masks` imports
 
     def outputs(on: bool):
@@ -228,8 +228,8 @@ def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(mod
         (dies,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
         (lives,) = engine.add_request(tokenizer.encode("q"), constrained(dict(regex="[a-z]{12}")))
 
-        def dead_at_four(matchers, pinned=False):
-            bitmask, live = fill(matchers, pinned)
+        def dead_at_four(matchers, pinned=False, permitted=None):
+            bitmask, live = fill(matchers, pinned, permitted)
             for j, m in enumerate(matchers):
                 if m is dies.matcher and m.version == 4:
                     bitmask.numpy()[j] = np.zeros_like(bitmask.numpy()[j])
