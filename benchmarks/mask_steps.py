@@ -19,7 +19,10 @@ the bench's own rows:
   masks in hand: the pick launches), the landing, the step's end and the
   next step's scheduling and preparation on the way; ``plain_parts_ms``
   the same calls in the other steps of 64 rows (how many, median ms),
-  the unconstrained rows' host work;
+  the unconstrained rows' host work; ``steps64`` each grammar step of 64
+  rows, its parts' ms (``names``: ``fill`` the background fill its masks
+  came from) and their median, mean, 90th percentile and largest
+  (``spread``): which part a slow step's time went to;
 - ``step_ms``: those whole steps' median, mean, 90th percentile and
   largest (a median below the bench's mean ms a step: a few slow steps);
   ``plain_step_ms`` the same of the steps without grammar rows (the
@@ -78,6 +81,7 @@ def step(self):
         trace(counts.setdefault("traced", 0))
         counts["traced"] += 1
     profile = profiles.setdefault(in_grammar_step[0], cProfile.Profile()) if PROFILE and running == 64 else None
+    current.clear()
     t0 = time.perf_counter()
     if profile is not None:
         profile.enable()
@@ -86,6 +90,8 @@ def step(self):
         profile.disable()
     if in_grammar_step[0]:
         parts.setdefault("step", []).append(time.perf_counter() - t0)
+        if running == 64 and os.environ.get("PARTS") == "1":
+            steps64.append({**current, "step": parts["step"][-1]})
     elif running:
         plain_steps.append(time.perf_counter() - t0)
         if running == 64 and os.environ.get("PARTS") == "1":
@@ -119,6 +125,7 @@ def fill_live(executor, live, bitmask):
     finally:
         key = f"{threading.current_thread().name.split('_')[0]}:{len(live)} rows"
         fills.setdefault(key, []).append(time.perf_counter() - t0)
+        last_fill[0] = fills[key][-1]
 
 
 parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps,
@@ -139,16 +146,23 @@ def timed(name, fn):
                     plain_parts.setdefault(name, []).append(t1 - t0)
             else:
                 parts.setdefault(name, []).append(t1 - t0)
+                current[name] = current.get(name, 0.0) + t1 - t0
                 if name == "_land":
                     landed[0] = t0
-                elif name == "grammar_masks" and landed[0] is not None:  # the host's chain, in ``chain``
-                    parts.setdefault("chain", []).append(t1 - landed[0])
-                    landed[0] = None
+                elif name == "grammar_masks":
+                    current["fill"] = last_fill[0]
+                    if landed[0] is not None:  # the host's chain, in ``chain``
+                        parts.setdefault("chain", []).append(t1 - landed[0])
+                        current["chain"] = t1 - landed[0]
+                        landed[0] = None
     return wrapper
 
 
 landed: list[float | None] = [None]  # when the last grammar step's `_land` began
 rows_running = [0]  # in the step under way
+current: dict[str, float] = {}  # PARTS=1: the step under way's parts (s), and the fill its masks came from
+steps64: list[dict[str, float]] = []  # those of each grammar step of 64 rows
+last_fill = [0.0]  # the last fill's seconds (the background thread's)
 
 
 plain_steps: list[float] = []  # the steps with rows running, none with a grammar (the unconstrained runs', prefills)
@@ -176,10 +190,14 @@ def report() -> None:
     steps = len(parts.get("step", ())) or 1
     timed_parts = {k: [round(len(v) / steps, 2), round(1000 * statistics.median(v), 3)] for k, v in parts.items()}
     plain_timed = {k: [len(v), round(1000 * statistics.median(v), 3)] for k, v in plain_parts.items()}
+    names = sorted({k for row in steps64 for k in row})
+    by_step = {"names": names, "ms": [[round(1000 * row.get(k, 0.0), 3) for k in names] for row in steps64],
+               "spread": {k: spread([row.get(k, 0.0) for row in steps64]) for k in names}}
     print(json.dumps({**counts, "prefetch": {"0": False, "1": True}.get(os.environ.get("PREFETCH"), "default"), "lanes": os.environ.get("LANES"),
                       "no_forcing": os.environ.get("NO_FORCING") == "1",
                       "fill_rows_ms": by_thread,
-                      **({"parts_ms": timed_parts, "step_ms": step_ms, "plain_parts_ms": plain_timed} if parts else {}), "plain_step_ms": plain_ms,
+                      **({"parts_ms": timed_parts, "step_ms": step_ms, "plain_parts_ms": plain_timed, "steps64": by_step}
+                         if parts else {}), "plain_step_ms": plain_ms,
                       "gc_ms": {g: [len(v), round(1000 * sum(v), 3)] for g, v in sorted(collections.items())}}),
           flush=True)
 

@@ -23,7 +23,9 @@ Timed: the decode steps, from the step after every row has its first token
 to the last (prefill is reported apart: ``prefill_steps``, ``prefill_s``), by
 driving `LLMEngine` in-process. Unless ``--max-num-batched-tokens`` is given,
 the engine's token budget holds the largest batch's prompts, so that each
-batch prefills in one step and decodes all its rows together. A row's ``ms_per_step`` is those seconds over
+batch prefills in one step and decodes all its rows together. ``kernel_compiles_in_runs``: the Triton kernels each run compiled in
+those steps (a compile there costs about a second: the run's figures are
+then not the step's). A row's ``ms_per_step`` is those seconds over
 those steps; ``mean_batch`` the tokens they sampled over the steps (below B
 once constrained rows finish early); ``sample_ms_per_step`` the part spent in
 `pagedlm.sampling.sample`, where the masks are filled and applied (on CUDA,
@@ -57,7 +59,7 @@ from .. import structured as structured_module
 from ..batch import engine as engine_module
 from ..batch.engine import LLMEngine
 from ..params import SamplingParams
-from .common import load_for_bench
+from .common import kernel_compiles, load_for_bench
 
 DEFAULT_BATCH_SIZES = (1, 16, 64)
 DEFAULT_MAX_TOKENS = 64
@@ -79,6 +81,7 @@ class BatchRun:
     output_lengths: list[int]
     texts: list[str]
     finish_reasons: list[str | None]
+    compiles: int = 0  # Triton kernels compiled inside its decode steps (`kernel_compiles`)
 
     @property
     def ms_per_step(self) -> float:
@@ -123,15 +126,16 @@ def run_batch(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]
             engine.step()
         t1, s1 = time.perf_counter(), engine.num_steps
         before, clock.seconds, fill.seconds = sum(len(s.output_ids) for s in seqs), 0.0, 0.0
-        while engine.has_unfinished():
-            engine.step()
+        with kernel_compiles() as compiled:
+            while engine.has_unfinished():
+                engine.step()
         t2 = time.perf_counter()
     produced = sum(len(s.output_ids) for s in seqs)
     return BatchRun(decode_s=t2 - t1, decode_steps=engine.num_steps - s1, decode_tokens=produced - before,
                     sample_s=clock.seconds, fill_s=fill.seconds, prefill_s=t1 - t0, prefill_steps=s1 - s0, output_tokens=produced,
                     preemptions=engine.num_preemptions - preempted,
                     output_lengths=[len(s.output_ids) for s in seqs], texts=[s.text for s in seqs],
-                    finish_reasons=[s.finish_reason for s in seqs])
+                    finish_reasons=[s.finish_reason for s in seqs], compiles=len(compiled))
 
 
 def make_prompts(tokenizer, schema: dict, n: int) -> list[list[int]]:
@@ -229,7 +233,8 @@ def _rows(base: dict, batch: int, runs: dict[bool, list[BatchRun]], compiles: in
                "sample_share": round(r.sample_s / r.decode_s, 4) if r.decode_s else 0.0,
                "mask_fill_ms_per_step": round(1000 * r.fill_s / r.decode_steps, 4) if r.decode_steps else 0.0,
                "prefill_steps": r.prefill_steps, "prefill_s": round(r.prefill_s, 3), "preemptions": r.preemptions,
-               "all_ms_per_step": [round(x.ms_per_step, 4) for x in runs[structured]]}
+               "all_ms_per_step": [round(x.ms_per_step, 4) for x in runs[structured]],
+               "kernel_compiles_in_runs": [x.compiles for x in runs[structured]]}
         if structured:
             free = rows[0]
             # Run by run: each pair ran back to back, under the same load from the rest of the machine.

@@ -340,6 +340,30 @@ def tiny_folder(tmp_path):
     return folder
 
 
+def test_structured_rows_say_how_many_kernels_compiled_in_their_runs(tiny_folder, capsys, monkeypatch):
+    """``kernel_compiles_in_runs``: per timed run of the row, the kernels
+    compiled in its decode steps (a compile there is ~1 s of a run's time).
+    The counter is faked: run ``k`` of the bench (the warm-ups first) "compiles" ``k`` kernels."""
+    import contextlib
+
+    from pagedlm.bench import structured
+
+    calls = []
+
+    @contextlib.contextmanager
+    def counting():
+        calls.append(None)
+        yield ["kernel"] * (len(calls) - 1)
+
+    monkeypatch.setattr(structured, "kernel_compiles", counting)
+    argv = ["bench", "throughput", "--model", str(tiny_folder), "--device", "cpu", "--json-schema",
+            str(tiny_folder.parent / "flag.schema.json"), "--structured-batch-sizes", "1", "--repeats", "2", "--json"]
+    assert main(argv) == 0
+    free, constrained = _rows(capsys)
+    assert len(calls) == 6  # two warm-ups, then constrained and unconstrained runs in turn
+    assert constrained["kernel_compiles_in_runs"] == [2, 4] and free["kernel_compiles_in_runs"] == [3, 5]
+
+
 def _recorded_runs(monkeypatch) -> list:
     """The structured bench's batches from now on, as (requests, BatchRun) pairs."""
     from pagedlm.bench import structured
