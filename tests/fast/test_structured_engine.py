@@ -211,6 +211,31 @@ def test_grammar_rows_overlap_under_async_scheduling_with_the_synchronous_tokens
     assert (sum(taken) > len(taken) / 2) if deferred else not any(taken)
 
 
+def test_grammar_rows_ended_by_a_stop_string_or_stop_token_under_deferred_picks(model, tokenizer):
+    """With deferred picks a landing advances the grammar rows' matchers before
+    their text (so the next masks start filling early): rows that a stop
+    string or a stop token ends there end as synchronously (same tokens,
+    text, reason), and a stop token is not fed to the grammar (a token a
+    stop string ends the row at is: its matcher is not used again)."""
+    prompt = tokenizer.encode("Reply: ")
+    digits = [t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) in set("0123456789")]
+    requests = [(prompt, constrained(dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"), stop=["-"])),
+                (prompt, constrained(dict(regex=r"[a-c]{2,4}-[0-9]{1,3}"), stop_token_ids=digits)),
+                (prompt, constrained(dict(json=SCHEMA)))]
+
+    def outputs(on: bool):
+        seqs = run(_engine(model, tokenizer, STORES["paged"], on, deferred=on), requests)
+        return [(s.output_ids, s.text, s.finish_reason, s.stop_reason) for (s,) in seqs], seqs[1][0].matcher.version
+
+    sync, _ = outputs(False)
+    deferred, taken = outputs(True)
+    assert sync == deferred
+    (ids, text, finish, reason), (ids2, text2, finish2, reason2) = sync[:2]
+    assert finish == "stop" and reason == "-" and re.fullmatch("[a-c]{2,4}", text)
+    assert finish2 == "stop" and reason2 == ids2[-1] and ids2[-1] in digits
+    assert taken == len(ids2) - 1  # the grammar took every token but the stop token
+
+
 @pytest.mark.parametrize("deferred", [False, True], ids=["picked", "deferred"])
 def test_a_row_dead_at_its_mask_under_async_scheduling_ends_as_synchronously(model, tokenizer, monkeypatch, deferred):
     """A grammar row whose mask allows nothing at a step in flight (a parser
