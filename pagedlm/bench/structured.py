@@ -15,9 +15,11 @@ differ, as the requests of many clients do; each unconstrained row then generate
 many tokens as its constrained twin did, end-of-sequence ignored. So both
 runs have the same rows, lengths and steps, and differ by the masks alone
 (a run to a fixed length would time the unconstrained rows over longer
-contexts). A warm-up on the same engine first compiles the grammar (and
-builds llguidance's tokenizer), so no compile is timed: the engine's LRU
-serves every later row.
+contexts). A warm-up on the same engine first runs the largest batch a few
+tokens, unconstrained and constrained: it compiles the grammar (and builds
+llguidance's tokenizer), so no compile is timed (the engine's LRU serves
+every later row), and meets that batch's first costs (every lane's first
+states, a kernel's first launch at that size) outside the timed runs.
 
 Timed: the decode steps, from the step after every row has its first token
 to the last (prefill is reported apart: ``prefill_steps``, ``prefill_s``), by
@@ -191,7 +193,8 @@ def run_structured_bench(args, engine_options: opt.EngineOptions, constraint) ->
     constrained = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
                                  structured_outputs=constraint)
     for warm in (None, constraint):  # the second compiles the grammar: no timed row waits for it
-        run_batch(engine, [(ids, replace(constrained, max_tokens=4, structured_outputs=warm)) for ids in prompts[:2]])
+        run_batch(engine, [(ids, replace(constrained, max_tokens=4, structured_outputs=warm))
+                           for ids in prompts[:max(batch_sizes)]])
     base = {"model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
             "schema": args.json_schema, "max_tokens": max_tokens, "temperature": temperature,
             "repeats": args.repeats,
