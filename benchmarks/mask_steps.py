@@ -129,7 +129,7 @@ def fill_live(executor, live, bitmask):
 
 
 parts: dict[str, list[float]] = {}  # PARTS=1: engine calls' times during grammar steps,
-plain_parts: dict[str, list[float]] = {}  # and during the others (those of 64 rows: `step`)
+plain_parts: dict[str, list[float]] = {}  # and during the other steps of 64 rows
 PARTS = ("_land", "_launch", "_append", "_advance")  # (those a tree has; a deferred pick's _launch is in prepare_step)
 in_grammar_step = [False]
 

@@ -368,12 +368,11 @@ def permitted_words(seqs: list["Sequence"]) -> list[np.ndarray | None]:
 
 
 def grammar_masks(seqs: list["Sequence"], pinned: bool = False) -> tuple[torch.Tensor, list[bool]]:
-    """The masks of grammar rows ``seqs``: each row's bitmask
-    (`structured.fill_bitmask`, CPU int32, pinned if ``pinned``) less the
-    tokens its rules refuse for good (``allowed_token_ids``, one-token bans:
-    what `TokenRules.words` holds; a row's bans of the step, `sample_row`
-    applies), and whether any token is left (a row with none is dead, as
-    `sample_row` kills it)."""
+    """`structured.fill_bitmask` of grammar rows ``seqs`` (CPU int32, pinned
+    if ``pinned``), each row less what its rules refuse for good
+    (`permitted_words`; a row's bans of the step, `sample_row` applies), and
+    whether any token is left (a row with none is dead, as `sample_row`
+    kills it). Here so that llguidance is imported only for a grammar."""
     from pagedlm.structured import fill_bitmask  # llguidance is imported only when a request has a grammar
 
     return fill_bitmask([seq.matcher for seq in seqs], pinned, permitted_words(seqs))
