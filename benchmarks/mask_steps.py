@@ -32,6 +32,8 @@ the bench's own rows:
 - with ``LANES=N``: N lanes (compiles of a grammar, threads that fill a
   step's masks) instead of the engine's default (half the cores, at most
   8);
+- with ``SWITCH=S``: the engine's GIL switch interval S seconds instead of
+  `matcher.GIL_SWITCH_S` (0.0001; Python's default is 0.005);
 - with ``NO_FORCING=1``: llguidance's forcing off in every grammar
   (``no_forcing``: no call of the tokenizer's Python from the fill's
   threads; ``tokenize_calls`` counts those calls either way);
@@ -194,6 +196,7 @@ def report() -> None:
     by_step = {"names": names, "ms": [[round(1000 * row.get(k, 0.0), 3) for k in names] for row in steps64],
                "spread": {k: spread([row.get(k, 0.0) for row in steps64]) for k in names}}
     print(json.dumps({**counts, "prefetch": {"0": False, "1": True}.get(os.environ.get("PREFETCH"), "default"), "lanes": os.environ.get("LANES"),
+                      "switch": os.environ.get("SWITCH"),
                       "no_forcing": os.environ.get("NO_FORCING") == "1",
                       "fill_rows_ms": by_thread,
                       **({"parts_ms": timed_parts, "step_ms": step_ms, "plain_parts_ms": plain_timed, "steps64": by_step}
@@ -232,6 +235,8 @@ if __name__ == "__main__":
                     g["lark_grammar"] = '%llguidance {"no_forcing": true}\n' + g["lark_grammar"]
             return _compile(tokenizer, json.dumps(top), lanes)
         compiler_module._compile = compile_without_forcing
+    if os.environ.get("SWITCH"):
+        matcher_module.GIL_SWITCH_S = float(os.environ["SWITCH"])
     if os.environ.get("LANES"):
         lanes = int(os.environ["LANES"])
         compiler_module.MAX_LANES = max(compiler_module.MAX_LANES, lanes)
