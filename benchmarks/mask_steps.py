@@ -42,7 +42,9 @@ the bench's own rows:
   apart, as two `pstats` tables (by own time, then by time inside) in FILE;
 - with ``TRACE=FILE``: a `torch.profiler` trace (CPU and CUDA, Chrome's
   format) of 30 steps of the first constrained run of 64 rows, from its 20th
-  step on, written to FILE (where the device waits for the host, and why).
+  step on, written to FILE (where the device waits for the host, and why);
+  the parts ``PARTS=1`` times (but a row's `_append`), and the background
+  fill, are ranges of their own in it.
 
 Usage (the bench's arguments after the script; OMP_NUM_THREADS to vary
 torch's intra-op threads): PYTHONPATH=. python3 benchmarks/mask_steps.py
@@ -64,6 +66,8 @@ import statistics
 import sys
 import threading
 import time
+
+import torch
 
 import pagedlm.batch.engine as engine_module
 import pagedlm.structured.matcher as matcher_module
@@ -104,13 +108,12 @@ def step(self):
 
 _profiler = []
 PROFILE = os.environ.get("PROFILE")
+TRACED = bool(os.environ.get("TRACE"))
 profiles: dict[bool, cProfile.Profile] = {}  # PROFILE: grammar steps (True) and plain ones (False) of 64 rows
 
 
 def trace(n: int) -> None:
     """Start the profiler at the 20th 64-row grammar step, write its trace 30 steps later."""
-    import torch
-
     if n == 20:
         _profiler.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                             torch.profiler.ProfilerActivity.CUDA]))
@@ -123,6 +126,9 @@ def trace(n: int) -> None:
 def fill_live(executor, live, bitmask):
     t0 = time.perf_counter()
     try:
+        if TRACED:
+            with torch.profiler.record_function(f"fill {len(live)} rows"):
+                return _fill_live(executor, live, bitmask)
         return _fill_live(executor, live, bitmask)
     finally:
         key = f"{threading.current_thread().name.split('_')[0]}:{len(live)} rows"
@@ -140,6 +146,9 @@ def timed(name, fn):
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         try:
+            if TRACED and name != "_append":  # the part a range of its own in the trace (not a row's)
+                with torch.profiler.record_function(name):
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         finally:
             t1 = time.perf_counter()
