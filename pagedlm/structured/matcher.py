@@ -97,13 +97,10 @@ class RowMatcher:
         if matcher is None:
             raise RuntimeError(f"advance on a dead row ({self.error})")
         self.version += 1
-        if not matcher.consume_token(token):
+        if not matcher.consume_token(token):  # (it took the token: the matcher is not in error)
             self.fail(f"token {token} is outside the grammar: {one_line(matcher.get_error())}")
-        elif matcher.is_error():
-            self.fail(one_line(matcher.get_error()))
-        else:
-            return "stop" if matcher.is_stopped() else None
-        return "error"
+            return "error"
+        return "stop" if matcher.is_stopped() else None
 
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` advanced tokens (a rejected speculation)."""
@@ -179,8 +176,9 @@ def _by_lane(matchers: list[RowMatcher], rows) -> tuple[llguidance.LLExecutor, l
     each thread waiting for the GIL to start and to end its call."""
     by_lane: dict[int, list] = {}
     for j in rows:
-        if (m := matchers[j]._live()) is not None:
-            by_lane.setdefault(matchers[j].lane, []).append((m, j))
+        row = matchers[j]  # (a matcher an error reached since it was checked is found dead by `_filled`)
+        if (m := row._matcher if row._matcher is not None and row.error is None else row._live()) is not None:
+            by_lane.setdefault(row.lane, []).append((m, j))
     threads = max(1, len(by_lane))
     if threads not in _executors:
         _executors[threads] = llguidance.LLExecutor(num_threads=threads)
@@ -337,10 +335,10 @@ def fill_bitmask(matchers: list[RowMatcher], pinned: bool = False,
         _zero_all_but(bitmask, filled | done)
         allows[todo], left[todo] = (v[todo] for v in _permit(bitmask, done, permitted))
         filled |= done
-    live = [j in filled and m._filled(bool(allows[j])) for j, m in enumerate(matchers)]
-    for j, m in enumerate(matchers):
-        if live[j] and not left[j]:
-            m.fail(NOTHING_LEFT)
+    live = [j in filled and m._filled(allowed) for j, (m, allowed) in enumerate(zip(matchers, allows.tolist()))]
+    for j, kept in enumerate(left.tolist()):
+        if live[j] and not kept:
+            matchers[j].fail(NOTHING_LEFT)
             live[j] = False
     return out, live
 
