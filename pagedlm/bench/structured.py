@@ -46,6 +46,7 @@ outside `sample`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -118,8 +119,9 @@ class _Clock:
         setattr(self._module, self._name, self._inner)
 
 
-def run_batch(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> BatchRun:
-    """Run ``requests`` (prompt ids, params) at once to the end; time the decode steps apart from the prefill."""
+def run_batch(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], timed: bool = True) -> BatchRun:
+    """Run ``requests`` (prompt ids, params) at once to the end; time the decode steps apart from the prefill.
+    ``timed``: the kernels its decode steps compile are counted (and each said on stderr); a warm-up's are not."""
     preempted = engine.num_preemptions
     seqs = [engine.add_request(ids, params)[0] for ids, params in requests]
     with _Clock(engine_module, "sample") as clock, _Clock(structured_module, "fill_bitmask") as fill:
@@ -128,7 +130,7 @@ def run_batch(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]
             engine.step()
         t1, s1 = time.perf_counter(), engine.num_steps
         before, clock.seconds, fill.seconds = sum(len(s.output_ids) for s in seqs), 0.0, 0.0
-        with kernel_compiles() as compiled:
+        with kernel_compiles() if timed else contextlib.nullcontext([]) as compiled:
             while engine.has_unfinished():
                 engine.step()
         t2 = time.perf_counter()
@@ -194,7 +196,7 @@ def run_structured_bench(args, engine_options: opt.EngineOptions, constraint) ->
                                  structured_outputs=constraint)
     for warm in (None, constraint):  # the second compiles the grammar: no timed row waits for it
         run_batch(engine, [(ids, replace(constrained, max_tokens=4, structured_outputs=warm))
-                           for ids in prompts[:max(batch_sizes)]])
+                           for ids in prompts[:max(batch_sizes)]], timed=False)
     base = {"model": spec, "device": device, "dtype": str(dtype).removeprefix("torch."),
             "schema": args.json_schema, "max_tokens": max_tokens, "temperature": temperature,
             "repeats": args.repeats,
