@@ -97,7 +97,7 @@ class RowMatcher:
         if matcher is None:
             raise RuntimeError(f"advance on a dead row ({self.error})")
         self.version += 1
-        if not matcher.consume_token(token):  # (it took the token: the matcher is not in error)
+        if not matcher.consume_token(token):  # (True: it took the token and is not in error, by its contract)
             self.fail(f"token {token} is outside the grammar: {one_line(matcher.get_error())}")
             return "error"
         return "stop" if matcher.is_stopped() else None
