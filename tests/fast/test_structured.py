@@ -373,6 +373,36 @@ def test_dead_ends_are_reported_not_hung(setup, caplog):
     assert len([r for r in caplog.records if "dead-ends" in r.getMessage()]) == 5
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["filled-now", "filled-ahead"])
+def test_a_parser_limit_met_inside_a_mask_kills_the_row_with_that_error(monkeypatch, ahead):
+    """A live row whose mask's computation meets a parser limit (llguidance's
+    error, raised inside the fill, not an empty mask) dies with that error,
+    whether the step fills its masks or takes them from a fill ahead; the
+    fill's other row, of another grammar, goes on."""
+    import llguidance
+
+    from pagedlm.structured import compiler as compiler_module
+    from pagedlm.structured import fill_bitmask
+    from pagedlm.structured.matcher import prefetch_bitmasks
+
+    monkeypatch.setattr(compiler_module, "_LIMITS", llguidance.LLParserLimits(verbose_errors=False, step_max_items=32))
+    tokenizer = tiny_tokenizer()
+    compiler = GrammarCompiler(tokenizer, 300)
+    nested, word = compiler.matcher(Constraint(json_object=True)), compiler.matcher(Constraint(regex="[a-z]+"))
+    while not (nested.ready() and word.ready()):
+        time.sleep(0.001)
+    letter = tokenizer.encode_as_text("a")[0]
+    for step, token in enumerate(tokenizer.encode_as_text('{"a": [1, [2, [3, [4, [5]]]]]}')):
+        if ahead:
+            prefetch_bitmasks([nested, word])
+        _, live = fill_bitmask([nested, word])
+        assert live[1] and word.error is None
+        if not live[0]:
+            break
+        assert nested.advance(token) is None and word.advance(letter) is None
+    assert step > 0 and nested.is_dead and "Too many items" in nested.error  # live, then the limit
+
+
 def test_rollback_returns_to_an_earlier_state(setup):
     tokenizer, compiler = setup
     seq = row(tokenizer, compiler, Constraint(choice=["hello world", "hello there"]), False)
