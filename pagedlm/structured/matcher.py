@@ -49,8 +49,10 @@ class RowMatcher:
         its first `fill`): the row may be scheduled. Never blocks."""
         return self._compiled.done()
 
-    def _live(self) -> llguidance.LLMatcher | None:
-        """The matcher, None once dead."""
+    def _live(self, check: bool = True) -> llguidance.LLMatcher | None:
+        """The matcher, None once dead; ``check``: ask llguidance whether an
+        error reached it since (a fill's lanes need not: `_filled` asks after
+        the fill, where a mask's computation can meet one)."""
         if self._matcher is None and self.error is None:
             if not self._compiled.done():
                 raise RuntimeError("a row was sampled before its grammar compiled: schedule it once ready()")
@@ -58,7 +60,7 @@ class RowMatcher:
                 self._matcher, self.lane = self._compiled.result().copy()
             except Exception as e:  # the compile's error, raised in the pool
                 self.fail(f"its grammar did not compile: {e}")
-        if self._matcher is not None and self.error is None and self._matcher.is_error():
+        if check and self._matcher is not None and self.error is None and self._matcher.is_error():
             self.fail(one_line(self._matcher.get_error()))
         return None if self.error is not None else self._matcher
 
@@ -176,9 +178,8 @@ def _by_lane(matchers: list[RowMatcher], rows) -> tuple[llguidance.LLExecutor, l
     each thread waiting for the GIL to start and to end its call."""
     by_lane: dict[int, list] = {}
     for j in rows:
-        row = matchers[j]  # (a matcher an error reached since it was checked is found dead by `_filled`)
-        if (m := row._matcher if row._matcher is not None and row.error is None else row._live()) is not None:
-            by_lane.setdefault(row.lane, []).append((m, j))
+        if (m := matchers[j]._live(check=False)) is not None:
+            by_lane.setdefault(matchers[j].lane, []).append((m, j))
     threads = max(1, len(by_lane))
     if threads not in _executors:
         _executors[threads] = llguidance.LLExecutor(num_threads=threads)
