@@ -26,7 +26,7 @@ and each state's two masks are compared bit for bit: a state where they
 differ prints how many tokens only each allows (``SHOW=I``: state I's
 tokens themselves); ``states_same`` / ``states_differ`` at the end.
 
-Usage: [XGRAMMAR=1] PYTHONPATH=. python benchmarks/mask_states.py MODEL_DIR [SCHEMA] [MAX_TOKENS]
+Usage: [XGRAMMAR=1|lark [SHOW=I]] PYTHONPATH=. python benchmarks/mask_states.py MODEL_DIR [SCHEMA] [MAX_TOKENS]
 (MODEL_DIR: a config with a tokenizer.json, weights random, as --random-weights;
 SCHEMA: benchmarks/configs/person.schema.json; MAX_TOKENS: 64)
 """
@@ -51,13 +51,13 @@ from pagedlm.structured.compiler import _TextTokenizer
 from pagedlm.structured.constraint import Constraint
 
 
-def allowed(words: torch.Tensor) -> int:
-    return int(np.unpackbits(words.numpy().view(np.uint8)).sum())
-
-
 def _bits(words: np.ndarray) -> list[int]:
     """The token ids whose bits are set in bitmask ``words``."""
     return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
+
+
+def allowed(words: torch.Tensor) -> int:
+    return len(_bits(words.numpy()))
 
 
 def timed_fill(fill, *args) -> float:
