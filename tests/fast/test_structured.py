@@ -403,6 +403,48 @@ def test_a_parser_limit_met_inside_a_mask_kills_the_row_with_that_error(monkeypa
     assert step > 0 and nested.is_dead and "Too many items" in nested.error  # live, then the limit
 
 
+def test_a_parser_limit_met_by_a_fill_ahead_kills_the_row_at_its_next_token(monkeypatch):
+    """A fill ahead whose mask's computation meets a parser limit, its mask
+    never taken: the row's next token (`RowMatcher.advance`, which does not
+    ask llguidance for an error first) ends it "error", with that limit's
+    error, not a token taken into a broken parser."""
+    import llguidance
+
+    from pagedlm.structured import compiler as compiler_module
+    from pagedlm.structured.matcher import prefetch_bitmasks
+
+    monkeypatch.setattr(compiler_module, "_LIMITS", llguidance.LLParserLimits(verbose_errors=False, step_max_items=32))
+    tokenizer = tiny_tokenizer()
+    nested = GrammarCompiler(tokenizer, 300).matcher(Constraint(json_object=True))
+    while not nested.ready():
+        time.sleep(0.001)
+    ends = []
+    for token in tokenizer.encode_as_text('{"a": [1, [2, [3, [4, [5]]]]]}'):
+        prefetch_bitmasks([nested])
+        ends.append(nested.advance(token))
+        if ends[-1] is not None:
+            break
+    assert ends[0] is None and ends[-1] == "error" and nested.is_dead and "Too many items" in nested.error
+
+
+def test_a_background_fill_hands_back_its_result_or_its_error():
+    """The fill's thread runs each job once, in order; `result` waits for it
+    and raises the job's error on the caller's thread (a fill that failed
+    is never read as a result)."""
+    import threading
+
+    from pagedlm.structured.matcher import _Fill
+
+    gate, ran = threading.Event(), []
+    first = _Fill(lambda: gate.wait(5) and ran.append("first") or "filled")
+    second = _Fill(lambda: ran.append("second") or 1 / 0)
+    gate.set()
+    assert first.result() == "filled"
+    with pytest.raises(ZeroDivisionError):
+        second.result()
+    assert ran == ["first", "second"] and first.result() == "filled"
+
+
 def test_rollback_returns_to_an_earlier_state(setup):
     tokenizer, compiler = setup
     seq = row(tokenizer, compiler, Constraint(choice=["hello world", "hello there"]), False)
