@@ -15,10 +15,8 @@ warning in the log; the engine ends it. It never waits.
 from __future__ import annotations
 
 import logging
-import queue
 import sys
-import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -44,7 +42,7 @@ class RowMatcher:
         self.label = label  # names the row in the log (a request id)
         self.error: str | None = None  # why the row is dead
         self.version = 0  # tokens advanced less tokens rolled back: names the state a mask is for
-        self._prefetched: tuple[int, _Fill, int, np.ndarray | None] | None = None  # (version, the fill, its row, permitted)
+        self._prefetched: tuple[int, Future, int] | None = None  # (version, the fill's future, its row)
 
     def ready(self) -> bool:
         """Its grammar is compiled (or failed to compile: then it is dead at
@@ -164,59 +162,8 @@ def mask_bias(bitmask: torch.Tensor, width: int) -> torch.Tensor:
 
 MAX_LANES = 8  # a grammar's compiles at most, and the threads that fill a step's masks
 _executors: dict[int, llguidance.LLExecutor] = {}  # by threads (the lanes a fill's rows are in), made at first use
-_pending: "_Fill | None" = None  # the background fill in flight (one at a time)
-
-
-class _Fill:
-    """A background fill (`prefetch_bitmasks`): ``fn`` run once on the fill's
-    thread (`_fill_thread`), its result (or error) read by `result`, which
-    waits for it. Leaner on the GIL than a `concurrent.futures` future and
-    its executor's worker, whose Python (the work item, the future's
-    condition and callbacks) runs on the background thread each fill: every
-    piece of Python there takes the GIL from the step's thread, within
-    `GIL_SWITCH_S`. Here the thread's own Python is a queue's `get` and a
-    lock's release around ``fn``. On this project's 2-core machine (64 rows
-    of SmolLM2's tokenizer, one lane, eight interleaved pairs of 290 steps),
-    1.6 ms of the step thread's Python beside a fill took 0.22 ms more than
-    alone at the median with the executor, 0.16 with this; starting the
-    fill 0.14 -> 0.11 ms."""
-
-    __slots__ = ("_fn", "_done", "_value", "_error")
-
-    def __init__(self, fn) -> None:
-        global _worker
-        self._fn, self._value, self._error = fn, None, None
-        self._done = threading.Lock()
-        self._done.acquire()  # released by `run`
-        if _worker is None:
-            _worker = threading.Thread(target=_fill_thread, name="pagedlm-masks", daemon=True)
-            _worker.start()
-        _jobs.put(self)
-
-    def run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as e:  # (raised by `result`, on the caller's thread)
-            self._error = e
-        self._fn = None
-        self._done.release()
-
-    def result(self):
-        if self._done.locked():
-            with self._done:
-                pass
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-_jobs: queue.SimpleQueue = queue.SimpleQueue()  # fills for `_fill_thread`
-_worker: threading.Thread | None = None  # it, started by the first fill
-
-
-def _fill_thread() -> None:
-    while True:
-        _jobs.get().run()
+_background = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-masks")
+_pending: Future | None = None  # the background fill in flight (one at a time)
 
 
 def _by_lane(matchers: list[RowMatcher], rows) -> tuple[llguidance.LLExecutor, list[tuple[llguidance.LLMatcher, int]]]:
@@ -337,7 +284,7 @@ def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False,
     def fill() -> tuple[torch.Tensor, set[int], np.ndarray, np.ndarray]:
         _fill_live(executor, live, bitmask)
         return out, filled, *_permit(bitmask, filled, permitted)
-    _pending = future = _Fill(fill)
+    _pending = future = _background.submit(fill)
     for j, m in enumerate(matchers):
         m._prefetched = (m.version, future, j, permitted[j])
 

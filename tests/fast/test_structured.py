@@ -427,24 +427,6 @@ def test_a_parser_limit_met_by_a_fill_ahead_kills_the_row_at_its_next_token(monk
     assert ends[0] is None and ends[-1] == "error" and nested.is_dead and "Too many items" in nested.error
 
 
-def test_a_background_fill_hands_back_its_result_or_its_error():
-    """The fill's thread runs each job once, in order; `result` waits for it
-    and raises the job's error on the caller's thread (a fill that failed
-    is never read as a result)."""
-    import threading
-
-    from pagedlm.structured.matcher import _Fill
-
-    gate, ran = threading.Event(), []
-    first = _Fill(lambda: gate.wait(5) and ran.append("first") or "filled")
-    second = _Fill(lambda: ran.append("second") or 1 / 0)
-    gate.set()
-    assert first.result() == "filled"
-    with pytest.raises(ZeroDivisionError):
-        second.result()
-    assert ran == ["first", "second"] and first.result() == "filled"
-
-
 def test_rollback_returns_to_an_earlier_state(setup):
     tokenizer, compiler = setup
     seq = row(tokenizer, compiler, Constraint(choice=["hello world", "hello there"]), False)
