@@ -239,21 +239,33 @@ NOTHING_LEFT = "the request's allowed_token_ids, bad_words or min_tokens leave n
 def _permit(bitmask: np.ndarray, rows, permitted: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
     """Whether each row of ``bitmask`` allows a token (its grammar's verdict),
     then ``rows`` of it less what their ``permitted`` words refuse (rows
-    sharing an array at once), and whether each row still allows one. Host
-    work in numpy, which drops the GIL for each pass."""
-    allows = bitmask.any(axis=1)
-    by_array: dict[int, tuple[np.ndarray, list[int]]] = {}
-    for j in rows:
-        if permitted[j] is not None:
-            by_array.setdefault(id(permitted[j]), (permitted[j], []))[1].append(j)
-    if not by_array:
+    sharing an array at once), and whether each row still allows one. One
+    pass over the whole bitmask: a request's rules refuse tokens in a few
+    words (a grammar row's: the special tokens), so only those words are
+    cut out, read and put back refused, and the pass reads the rest (three
+    passes, two of them writing, took 0.1 ms a step at 64 rows of 151,936
+    tokens on this 2-core machine, each on the fill's thread waiting for the
+    GIL after it). Host work in numpy, which drops the GIL for each pass."""
+    arrays = {id(permitted[j]): permitted[j] for j in rows}
+    arrays.pop(id(None), None)
+    if not arrays:
+        allows = bitmask.any(axis=1)
         return allows, allows
-    for words, js in by_array.values():
-        if len(js) == len(bitmask):  # (every row: in place, no copy)
-            np.bitwise_and(bitmask, words, out=bitmask)
-        else:
-            bitmask[js] &= words
-    return allows, bitmask.any(axis=1)
+    groups = {i: (words, [j for j in rows if permitted[j] is words]) for i, words in arrays.items()}
+    cut = []  # per array: its rows, the words it refuses tokens in, and those words of the rows
+    for words, js in groups.values():
+        cols = np.flatnonzero(words != -1)
+        at = (slice(None) if len(js) == len(bitmask) else np.array(js)[:, None], cols)
+        cut.append((js, words[cols], at, bitmask[at]))
+        bitmask[at] = 0
+    allows = bitmask.any(axis=1)  # (a token outside those words: allowed, and left by the rules)
+    left = allows.copy()
+    for js, kept, at, words in cut:
+        allows[js] |= words.any(axis=1)
+        words &= kept
+        bitmask[at] = words
+        left[js] |= words.any(axis=1)
+    return allows, left
 
 
 def prefetch_bitmasks(matchers: list[RowMatcher], pinned: bool = False,

@@ -427,6 +427,39 @@ def test_a_parser_limit_met_by_a_fill_ahead_kills_the_row_at_its_next_token(monk
     assert ends[0] is None and ends[-1] == "error" and nested.is_dead and "Too many items" in nested.error
 
 
+def test_the_rules_cut_from_a_bitmask_are_each_rows_words_anded():
+    """`_permit` (one pass over the bitmask, the words the rules refuse in cut
+    out and put back) leaves exactly the bitmask and verdicts of the plain
+    reading: each filled row's words ANDed with its rules' words; whether a
+    row allowed a token before, and after. Random bitmasks, rules of a few
+    refused words, of every word, and none; rows sharing arrays, rows
+    without rules, rows not filled."""
+    import numpy as np
+
+    from pagedlm.structured.matcher import _permit
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows, width = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+        dense = rng.random()
+        bitmask = np.where(rng.random((rows, width)) < dense,
+                           rng.integers(-2 ** 31, 2 ** 31 - 1, (rows, width), dtype=np.int32), 0).astype(np.int32)
+        arrays = [np.full(width, -1, dtype=np.int32) for _ in range(3)] + [np.zeros(width, dtype=np.int32)]
+        for words in arrays[:3]:
+            at = rng.choice(width, int(rng.integers(0, width + 1)), replace=False)
+            words[at] = rng.integers(-2 ** 31, 2 ** 31 - 1, len(at), dtype=np.int32)
+        permitted = [None if rng.random() < 0.3 else arrays[int(rng.integers(0, 4))] for _ in range(rows)]
+        filled = {j for j in range(rows) if rng.random() < 0.8}
+        want = bitmask.copy()
+        allows = want.any(axis=1)
+        for j in filled:
+            if permitted[j] is not None:
+                want[j] &= permitted[j]
+        got_allows, got_left = _permit(bitmask, filled, permitted)
+        assert np.array_equal(bitmask, want)
+        assert np.array_equal(got_allows, allows) and np.array_equal(got_left, want.any(axis=1))
+
+
 def test_rollback_returns_to_an_earlier_state(setup):
     tokenizer, compiler = setup
     seq = row(tokenizer, compiler, Constraint(choice=["hello world", "hello there"]), False)
