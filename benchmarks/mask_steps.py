@@ -235,15 +235,8 @@ if __name__ == "__main__":
         return _tokenize(self, text)
     compiler_module._TextTokenizer.__call__ = tokenize
     if os.environ.get("NO_FORCING") == "1":
-        _compile = compiler_module._compile
-
-        def compile_without_forcing(tokenizer, grammar, lanes=1):
-            top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
-            for g in top["grammars"]:
-                if g.get("lark_grammar") is not None:
-                    g["lark_grammar"] = '%llguidance {"no_forcing": true}\n' + g["lark_grammar"]
-            return _compile(tokenizer, json.dumps(top), lanes)
-        compiler_module._compile = compile_without_forcing
+        from no_forcing import turn_forcing_off  # (benchmarks/, the script's folder, is on sys.path)
+        turn_forcing_off()
     if os.environ.get("SWITCH"):
         matcher_module.GIL_SWITCH_S = float(os.environ["SWITCH"])
     if os.environ.get("LANES"):
