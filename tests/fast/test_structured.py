@@ -433,7 +433,7 @@ def test_the_rules_cut_from_a_bitmask_are_each_rows_words_anded():
     reading: each filled row's words ANDed with its rules' words; whether a
     row allowed a token before, and after. Random bitmasks, rules of a few
     refused words, of every word, and none; rows sharing arrays, rows
-    without rules, rows not filled."""
+    without rules, rows not filled, the filled ones named in any order."""
     import numpy as np
 
     from pagedlm.structured.matcher import _permit
@@ -449,7 +449,7 @@ def test_the_rules_cut_from_a_bitmask_are_each_rows_words_anded():
             at = rng.choice(width, int(rng.integers(0, width + 1)), replace=False)
             words[at] = rng.integers(-2 ** 31, 2 ** 31 - 1, len(at), dtype=np.int32)
         permitted = [None if rng.random() < 0.3 else arrays[int(rng.integers(0, 4))] for _ in range(rows)]
-        filled = {j for j in range(rows) if rng.random() < 0.8}
+        filled = [int(j) for j in rng.permutation(rows) if rng.random() < 0.8]  # (in any order)
         want = bitmask.copy()
         allows = want.any(axis=1)
         for j in filled:
@@ -458,6 +458,14 @@ def test_the_rules_cut_from_a_bitmask_are_each_rows_words_anded():
         got_allows, got_left = _permit(bitmask, filled, permitted)
         assert np.array_equal(bitmask, want)
         assert np.array_equal(got_allows, allows) and np.array_equal(got_left, want.any(axis=1))
+    # Every row under one array (the whole bitmask's path), named out of order; rows whose tokens are all
+    # in the words the rules refuse tokens in (allowed, nothing left), elsewhere (both), nowhere (neither).
+    bitmask = np.zeros((5, 4), dtype=np.int32)
+    bitmask[0, 1], bitmask[1, 0], bitmask[3, 3], bitmask[4, 2] = 5, 7, 9, 11
+    rules = np.array([-1, 0, -1, 0], dtype=np.int32)
+    allows, left = _permit(bitmask, [4, 2, 0, 3, 1], [rules] * 5)
+    assert allows.tolist() == [True, True, False, True, True] and left.tolist() == [False, True, False, False, True]
+    assert bitmask[:, [1, 3]].sum() == 0 and bitmask[1, 0] == 7 and bitmask[4, 2] == 11
 
 
 def test_rollback_returns_to_an_earlier_state(setup):
