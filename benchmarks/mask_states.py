@@ -103,8 +103,10 @@ def main(model_dir: str, schema_path: str = "benchmarks/configs/person.schema.js
         engine.step()
     mode = os.environ.get("XGRAMMAR")
     view = _TextTokenizer(tokenizer, engine.vocab_size) if mode == "lark" else None
-    theirs = xgrammar_matcher(model_dir, schema, engine.vocab_size, *((constraint, view, sorted(tokenizer.eos_token_ids)) if view else ())) \
-        if mode in ("1", "lark") else None
+    theirs = None
+    if mode in ("1", "lark"):
+        theirs = xgrammar_matcher(model_dir, schema, engine.vocab_size, constraint if view else None, view,
+                                  sorted(tokenizer.eos_token_ids))
     same = differ = 0
     a, b = engine.grammars.matcher(constraint), engine.grammars.matcher(constraint)
     while not (a.ready() and b.ready()):

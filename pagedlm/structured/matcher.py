@@ -42,7 +42,8 @@ class RowMatcher:
         self.label = label  # names the row in the log (a request id)
         self.error: str | None = None  # why the row is dead
         self.version = 0  # tokens advanced less tokens rolled back: names the state a mask is for
-        self._prefetched: tuple[int, Future, int] | None = None  # (version, the fill's future, its row)
+        self._prefetched: tuple[int, Future, int, np.ndarray | None] | None = None  # (version, the fill's
+        # future, its row, the permitted words it was filled less: `prefetch_bitmasks`)
 
     def ready(self) -> bool:
         """Its grammar is compiled (or failed to compile: then it is dead at
@@ -251,9 +252,9 @@ def _permit(bitmask: np.ndarray, rows, permitted: list[np.ndarray | None]) -> tu
     if not arrays:
         allows = bitmask.any(axis=1)
         return allows, allows
-    groups = {i: (words, [j for j in rows if permitted[j] is words]) for i, words in arrays.items()}
     cut = []  # per array: its rows, its words where it refuses tokens, those words' place and the rows' words there
-    for words, js in groups.values():
+    for words in arrays.values():
+        js = [j for j in rows if permitted[j] is words]
         cols = np.flatnonzero(words != -1)
         sel = slice(None) if len(js) == len(bitmask) else np.array(js)  # (every row: in order, no index)
         at = (sel if isinstance(sel, slice) else sel[:, None], cols)
